@@ -1,0 +1,13 @@
+"""ssm-spec: RecoverSSM speculative decoding for Gated DeltaNet and short-conv layers.
+
+Verify runs a draft window from a read-only checkpoint and records a small fp32 replay record
+per token; commit, once the accepted count is known, replays only the accepted tokens and
+writes the state once. See DESIGN.md for the contract.
+"""
+
+from . import ops, reference
+from .ops import NULL_SLOT, ReplayRecord
+
+__version__ = "0.1.0"
+
+__all__ = ["NULL_SLOT", "ReplayRecord", "ops", "reference", "__version__"]

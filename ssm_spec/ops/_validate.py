@@ -1,0 +1,137 @@
+"""Host-side validation shared by every op (DESIGN.md section 3, "Validation").
+
+Two levels:
+
+* structural checks (ranks, shapes, dtypes, devices): cheap, no host sync; the op kernels run
+  them on every call so that no kernel is launched with shapes that would index out of
+  bounds;
+* value checks (slot ranges, window bounds, accepted counts, write conflicts): read the index
+  tensors on the host; the Python wrappers run them when ``validate`` is on (the default in
+  eager mode, off while compiling or capturing).
+
+Every failure is a ``ValueError`` that names the op, the argument, what it got and what was
+expected, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+NULL_SLOT = -1
+"""Any slot index ``< 0`` means "none" (DESIGN.md section 3)."""
+
+INDEX_DTYPE = torch.int32
+
+
+def should_validate(validate: bool | None) -> bool:
+    """Resolve ``validate=None`` to "on in eager, off while compiling or capturing"."""
+    if validate is not None:
+        return bool(validate)
+    if torch.compiler.is_compiling():
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def fail(op: str, arg: str, got, expected) -> None:
+    raise ValueError(f"{op}: {arg}: got {got}; expected {expected}")
+
+
+def check_tensor(
+    op: str,
+    arg: str,
+    t,
+    *,
+    shape: Sequence[int | None] | None = None,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Structural check of one tensor argument; ``None`` entries of ``shape`` match anything."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, arg, type(t).__name__, "a torch.Tensor")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            fail(op, arg, f"a {t.dim()}-D tensor of shape {tuple(t.shape)}", f"{' or '.join(map(str, allowed))}-D")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(e is None or e == s for e, s in zip(shape, t.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if e is None else str(e) for e in shape) + "]"
+            fail(op, arg, f"shape {list(t.shape)}", f"shape {want}")
+    if dtypes is not None and t.dtype not in dtypes:
+        fail(op, arg, f"dtype {t.dtype}", " or ".join(map(str, dtypes)))
+    if device is not None and t.device != device:
+        fail(op, arg, f"device {t.device}", f"device {device} (the state's)")
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_index(op: str, arg: str, t, length: int | None, device, ndim: int = 1) -> None:
+    """An int32 index tensor of ``ndim`` dims whose first dim is ``length`` (any strides)."""
+    check_tensor(op, arg, t, ndim=ndim, dtypes=(INDEX_DTYPE,), device=device)
+    if length is not None and t.shape[0] != length:
+        fail(op, arg, f"shape {list(t.shape)}", f"first dim {length} (one entry per row)")
+
+
+# ----------------------------------------------------------------------------- values
+
+
+def window_bounds(op: str, query_start_loc: torch.Tensor, num_tokens: int) -> list[tuple[int, int]]:
+    """Check ``query_start_loc`` values and return the windows ``[(bos, eos)]``."""
+    qsl = query_start_loc.tolist()
+    if qsl and qsl[0] < 0:
+        fail(op, "query_start_loc[0]", qsl[0], ">= 0")
+    for b in range(len(qsl) - 1):
+        if qsl[b + 1] < qsl[b]:
+            fail(op, f"query_start_loc[{b + 1}]", qsl[b + 1], f">= query_start_loc[{b}] = {qsl[b]} (non-decreasing)")
+    if qsl and qsl[-1] > num_tokens:
+        fail(op, "query_start_loc[-1]", qsl[-1], f"<= {num_tokens} (the token dim of the activations)")
+    return [(qsl[b], qsl[b + 1]) for b in range(len(qsl) - 1)]
+
+
+def slot_values(op: str, arg: str, t: torch.Tensor, num_slots: int) -> list:
+    """Check that every entry is ``< num_slots`` (``< 0`` is the null slot) and return them."""
+    vals = t.tolist()
+    flat = [x for row in vals for x in row] if t.dim() == 2 else vals
+    for i, s in enumerate(flat):
+        if s >= num_slots:
+            where = f"{arg}[{i // t.shape[1]}, {i % t.shape[1]}]" if t.dim() == 2 else f"{arg}[{i}]"
+            fail(op, where, s, f"a slot < {num_slots} (the pool's slot count) or < 0 for none")
+    return vals
+
+
+def count_values(op: str, t: torch.Tensor, windows: list[tuple[int, int]]) -> list[int]:
+    """Check ``0 <= num_accepted_tokens[b] <= window length`` and return the counts."""
+    vals = t.tolist()
+    for b, (n, (bos, eos)) in enumerate(zip(vals, windows)):
+        if not 0 <= n <= eos - bos:
+            fail(op, f"num_accepted_tokens[{b}]", n, f"0 <= n <= {eos - bos} (the row's window length)")
+    return vals
+
+
+def check_write_conflicts(op: str, reads: dict[int, int], writes: list[tuple[int, int, str]]) -> None:
+    """Reject two rows writing one slot and a row writing another row's source slot.
+
+    Args:
+        reads: ``{row: source slot}`` for rows that read a slot.
+        writes: ``(row, slot, argument name)`` for every slot a row will write.
+    """
+    owner: dict[int, tuple[int, str]] = {}
+    for row, slot, arg in writes:
+        prev = owner.get(slot)
+        if prev is not None and prev[0] != row:
+            fail(op, arg, f"slot {slot}", f"a slot no other row writes (already written by row {prev[0]} via {prev[1]})")
+        owner[slot] = (row, arg)
+    readers = {}
+    for row, slot in reads.items():
+        readers.setdefault(slot, []).append(row)
+    for row, slot, arg in writes:
+        others = [r for r in readers.get(slot, ()) if r != row]
+        if others:
+            fail(op, arg, f"slot {slot}", f"not the source slot of another row (row {others[0]} reads it)")

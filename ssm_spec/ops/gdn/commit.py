@@ -1,0 +1,280 @@
+"""``gdn_commit``: replay the accepted tokens of a verify window and write the state once.
+
+Kernel (Triton, CUDA), launcher, CPU implementation, registration and wrapper. The grouped
+form (state ``[NL, S, HV, K, V]``, records ``[NL, T, ...]``) commits every layer in one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import reference
+from .._validate import (
+    STATE_DTYPES,
+    check_index,
+    check_tensor,
+    check_write_conflicts,
+    count_values,
+    should_validate,
+    slot_values,
+    window_bounds,
+)
+from .inner import gdn_apply, gdn_decay, gdn_tile_config
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def gdn_commit_kernel(
+    state_ptr, ru_ptr, rk_ptr, rd_ptr, qsl_ptr, src_ptr, n_ptr, dst_ptr, bidx_ptr, boff_ptr,
+    T, S, NBD,
+    s_sl, s_ss, s_sh, s_sk, s_sv,
+    s_rul, s_rut, s_ruh, s_ruv, s_rkl, s_rkt, s_rkh, s_rkk, s_rdl, s_rdt, s_rdh,
+    s_qsl, s_src, s_n, s_dst, s_bib, s_bij, s_bob, s_boj,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """One program per (V tile, row x value head, layer). Reads its whole source tile, replays
+    ``n`` recorded tokens, writes boundary states as their offsets pass and the destination
+    last. Counts are clamped to the window, out-of-range slots skipped."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_l = tl.program_id(2).to(tl.int64)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = tl.load(qsl_ptr + i_b * s_qsl)
+    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
+    bos = tl.minimum(tl.maximum(bos, 0), T)
+    eos = tl.minimum(tl.maximum(eos, bos), T)
+    n = tl.load(n_ptr + i_b * s_n)
+    n = tl.minimum(tl.maximum(n, 0), eos - bos)
+    src = tl.load(src_ptr + i_b * s_src).to(tl.int64)
+    if (n > 0) & (src >= 0) & (src < S):
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        layer = state_ptr + i_l * s_sl
+        tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+        b_h = tl.load(layer + src * s_ss + tile, mask=m_h, other=0).to(tl.float32)
+        for t in range(0, n):
+            tok = (bos + t).to(tl.int64)
+            b_k = tl.load(rk_ptr + i_l * s_rkl + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
+            b_u = tl.load(ru_ptr + i_l * s_rul + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
+            b_d = tl.load(rd_ptr + i_l * s_rdl + tok * s_rdt + i_hv * s_rdh)
+            b_h = gdn_apply(gdn_decay(b_h, b_d), b_k, b_u)
+            for j in range(0, NBD):
+                off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)
+                bidx = tl.load(bidx_ptr + i_b * s_bib + j * s_bij).to(tl.int64)
+                if (off == t + 1) & (bidx >= 0) & (bidx < S):
+                    tl.store(layer + bidx * s_ss + tile, b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+        dst = tl.load(dst_ptr + i_b * s_dst).to(tl.int64)
+        if (dst >= 0) & (dst < S):
+            tl.store(layer + dst * s_ss + tile, b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+
+
+def _grouped(state, rec_u, rec_k, rec_decay):
+    """View the per-layer form as a group of one layer (views only, no copies)."""
+    if state.dim() == 4:
+        return state.unsqueeze(0), rec_u.unsqueeze(0), rec_k.unsqueeze(0), rec_decay.unsqueeze(0)
+    return state, rec_u, rec_k, rec_decay
+
+
+def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
+                      num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets,
+                      config=None):
+    """Launch :func:`gdn_commit_kernel` over every layer of the (grouped) state in one grid."""
+    state, rec_u, rec_k, rec_decay = _grouped(state, rec_u, rec_k, rec_decay)
+    NL, S, HV, K, V = state.shape
+    H = rec_k.shape[2]
+    T = rec_u.shape[1]
+    B = src_indices.shape[0]
+    NBD = boundary_indices.shape[1]
+    BK, BV, num_warps = config or gdn_tile_config(K, V)
+    if B == 0 or NL == 0:
+        return
+    grid = (triton.cdiv(V, BV), B * HV, NL)
+    gdn_commit_kernel[grid](
+        state, rec_u, rec_k, rec_decay, query_start_loc, src_indices, num_accepted_tokens,
+        dst_indices, boundary_indices, boundary_offsets,
+        T, S, NBD,
+        *state.stride(), *rec_u.stride(), *rec_k.stride(), *rec_decay.stride(),
+        query_start_loc.stride(0), src_indices.stride(0), num_accepted_tokens.stride(0),
+        dst_indices.stride(0), *boundary_indices.stride(), *boundary_offsets.stride(),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def gdn_commit_cpu(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
+                   num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
+    """CPU twin of :func:`gdn_commit_kernel` built on :func:`reference.gdn_replay_update`."""
+    state, rec_u, rec_k, rec_decay = _grouped(state, rec_u, rec_k, rec_decay)
+    NL, S, HV = state.shape[:3]
+    T = rec_u.shape[1]
+    group = HV // rec_k.shape[2]
+    qsl = query_start_loc.tolist()
+    counts = num_accepted_tokens.tolist()
+    dsts = dst_indices.tolist()
+    bidx = boundary_indices.tolist()
+    boff = boundary_offsets.tolist()
+    for b, src in enumerate(src_indices.tolist()):
+        bos = min(max(qsl[b], 0), T)
+        eos = min(max(qsl[b + 1], bos), T)
+        n = min(max(counts[b], 0), eos - bos)
+        if n == 0 or not 0 <= src < S:
+            continue
+        for layer in range(NL):
+            h = state[layer, src].to(torch.float32).clone()
+            for t in range(n):
+                tok = bos + t
+                h = reference.gdn_replay_update(
+                    h, rec_k[layer, tok].repeat_interleave(group, 0), rec_u[layer, tok],
+                    rec_decay[layer, tok])
+                for j, off in enumerate(boff[b]):
+                    if off == t + 1 and 0 <= bidx[b][j] < S:
+                        state[layer, bidx[b][j]] = h
+            if 0 <= dsts[b] < S:
+                state[layer, dsts[b]] = h
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_gdn_commit_structure(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
+                               num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
+    """Ranks, shapes, dtypes and devices of ``gdn_commit``'s arguments (no host sync)."""
+    op = "gdn_commit"
+    check_tensor(op, "state", state, ndim=(4, 5), dtypes=STATE_DTYPES)
+    dev = state.device
+    grouped = state.dim() == 5
+    lead = (state.shape[0],) if grouped else ()
+    HV, K, V = state.shape[-3:]
+    check_tensor(op, "rec_u", rec_u, ndim=len(lead) + 3, dtypes=(torch.float32,), device=dev)
+    T = rec_u.shape[len(lead)]
+    check_tensor(op, "rec_u", rec_u, shape=(*lead, T, HV, V))
+    check_tensor(op, "rec_k", rec_k, ndim=len(lead) + 3, dtypes=(torch.float32,), device=dev)
+    H = rec_k.shape[-2]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"{op}: rec_k: got {H} key heads for {HV} value heads; expected HV % H == 0")
+    check_tensor(op, "rec_k", rec_k, shape=(*lead, T, H, K))
+    check_tensor(op, "rec_decay", rec_decay, shape=(*lead, T, HV), dtypes=(torch.float32,), device=dev)
+    check_index(op, "query_start_loc", query_start_loc, None, dev)
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
+    check_index(op, "src_indices", src_indices, B, dev)
+    check_index(op, "num_accepted_tokens", num_accepted_tokens, B, dev)
+    check_index(op, "dst_indices", dst_indices, B, dev)
+    check_index(op, "boundary_indices", boundary_indices, B, dev, ndim=2)
+    check_index(op, "boundary_offsets", boundary_offsets, B, dev, ndim=2)
+    if boundary_offsets.shape != boundary_indices.shape:
+        raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
+                         f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
+
+
+def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
+                        num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
+    """Value checks shared by the GDN and short-conv commits (host sync)."""
+    windows = window_bounds(op, query_start_loc, num_tokens)
+    srcs = slot_values(op, "src_indices", src_indices, num_slots)
+    counts = count_values(op, num_accepted_tokens, windows)
+    dsts = slot_values(op, "dst_indices", dst_indices, num_slots)
+    bidx = slot_values(op, "boundary_indices", boundary_indices, num_slots)
+    boff = boundary_offsets.tolist()
+    reads = {b: s for b, s in enumerate(srcs) if s >= 0 and counts[b] > 0}
+    writes = []
+    for b in reads:
+        for j, (idx, off) in enumerate(zip(bidx[b], boff[b])):
+            if idx >= 0 and 1 <= off <= counts[b]:
+                writes.append((b, idx, f"boundary_indices[{b}, {j}]"))
+        if dsts[b] >= 0:
+            writes.append((b, dsts[b], f"dst_indices[{b}]"))
+    check_write_conflicts(op, reads, writes)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("ssm_spec::gdn_commit", mutates_args=("state",))
+def gdn_commit_op(
+    state: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
+    query_start_loc: torch.Tensor, src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
+    dst_indices: torch.Tensor, boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
+) -> None:
+    """``torch.ops.ssm_spec.gdn_commit``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    args = (state, rec_u, rec_k, rec_decay, query_start_loc, src_indices, num_accepted_tokens,
+            dst_indices, boundary_indices, boundary_offsets)
+    check_gdn_commit_structure(*args)
+    gdn_commit_cpu(*args)
+
+
+@gdn_commit_op.register_kernel("cuda")
+def _gdn_commit_cuda(*args):
+    check_gdn_commit_structure(*args)
+    launch_gdn_commit(*args)
+
+
+@gdn_commit_op.register_fake
+def _gdn_commit_fake(*args, **kwargs):
+    return None
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def no_boundaries(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``[B, 0]`` int32 boundary index and offset tensors."""
+    empty = torch.empty((batch, 0), dtype=torch.int32, device=device)
+    return empty, empty
+
+
+def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
+               dst_indices=None, boundary_indices=None, boundary_offsets=None, validate=None):
+    """Replay the first ``n`` recorded tokens of each window and write the state once.
+
+    Args:
+        state: ``[S, HV, K, V]`` float32/bfloat16 pool, or ``[NL, S, HV, K, V]`` for the
+            grouped form (one launch for every layer); **mutated**.
+        record: the :class:`ReplayRecord` of the verify (``[NL, T, ...]`` when grouped).
+        query_start_loc: ``[B + 1]`` int32, the verify's windows.
+        src_indices: ``[B]`` int32 checkpoint slot per row (``< 0``: padding row, nothing
+            read or written).
+        num_accepted_tokens: ``[B]`` int32 on the device, ``0 <= n[b] <= window length``;
+            ``n = 0`` writes nothing at all.
+        dst_indices: ``[B]`` int32 destination of the state after ``n`` tokens (default
+            ``src_indices``; ``< 0``: not written). ``dst != src`` keeps the checkpoint.
+        boundary_indices, boundary_offsets: ``[B, NBd]`` int32; entry ``j`` receives the
+            state after ``boundary_offsets[b, j]`` tokens iff its index is ``>= 0`` and
+            ``1 <= offset <= n`` (otherwise skipped, not an error). Default: none.
+        validate: host-side value checks (``None``: on in eager, off while compiling).
+
+    A bfloat16 pool is replayed in fp32 and rounded once per store (DESIGN.md section 2).
+
+    Raises:
+        ValueError: naming the argument: bad shapes/dtypes/devices, a slot ``>= S``, a count
+            outside ``0..window length``, two rows writing one slot, or a row writing another
+            row's source slot. Nothing is written.
+    """
+    B = src_indices.shape[0]
+    if dst_indices is None:
+        dst_indices = src_indices
+    if boundary_indices is None and boundary_offsets is None:
+        boundary_indices, boundary_offsets = no_boundaries(B, state.device)
+    elif boundary_indices is None or boundary_offsets is None:
+        raise ValueError("gdn_commit: boundary_indices and boundary_offsets: got only one of "
+                         "them; expected both or neither")
+    args = (state, record.u, record.k, record.decay, query_start_loc, src_indices,
+            num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets)
+    if should_validate(validate):
+        check_gdn_commit_structure(*args)
+        check_commit_values("gdn_commit", state.shape[-4], record.u.shape[-3], query_start_loc,
+                            src_indices, num_accepted_tokens, dst_indices, boundary_indices,
+                            boundary_offsets)
+    torch.ops.ssm_spec.gdn_commit(*args)

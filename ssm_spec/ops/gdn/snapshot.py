@@ -1,0 +1,98 @@
+"""``gdn_snapshot_verify``: the native per-draft path engines use today (baseline and oracle).
+
+Reads each row's source slot and, after every token ``t``, writes the state into
+``snapshot_indices[t]`` (``< 0``: not written). Runs the same Triton kernel body as verify
+(:func:`~ssm_spec.ops.gdn.verify.gdn_window_kernel`), so with the shared tile configuration its
+states are the ones commit reproduces bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._validate import check_index, check_write_conflicts, should_validate, slot_values, window_bounds
+from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window
+
+
+def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
+                              snapshot_indices, out):
+    op = "gdn_snapshot_verify"
+    check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out)
+    check_index(op, "snapshot_indices", snapshot_indices, None, state.device)
+    if snapshot_indices.shape[0] < q.shape[0]:
+        raise ValueError(f"{op}: snapshot_indices: got {snapshot_indices.shape[0]} entries; "
+                         f"expected at least T = {q.shape[0]} (one per token)")
+
+
+@torch.library.custom_op("ssm_spec::gdn_snapshot_verify", mutates_args=("state", "out"))
+def gdn_snapshot_verify_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, src_indices: torch.Tensor, query_start_loc: torch.Tensor,
+    snapshot_indices: torch.Tensor, out: torch.Tensor, scale: float, use_qk_l2norm: bool,
+) -> None:
+    """``torch.ops.ssm_spec.gdn_snapshot_verify``: DESIGN.md section 4. CPU kernel."""
+    _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
+                              snapshot_indices, out)
+    gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices, out,
+                   None, scale, use_qk_l2norm)
+
+
+@gdn_snapshot_verify_op.register_kernel("cuda")
+def _gdn_snapshot_verify_cuda(q, k, v, g, beta, state, src_indices, query_start_loc,
+                              snapshot_indices, out, scale, use_qk_l2norm):
+    _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
+                              snapshot_indices, out)
+    launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
+                      out, None, scale, use_qk_l2norm)
+
+
+@gdn_snapshot_verify_op.register_fake
+def _gdn_snapshot_verify_fake(*args, **kwargs):
+    return None
+
+
+def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
+                        scale=None, use_qk_l2norm=True, validate=None):
+    """Native per-draft verify: write the state after every token into its own slot.
+
+    Args:
+        q, k, v, g, beta, scale, use_qk_l2norm: as :func:`ssm_spec.ops.gdn_verify`.
+        state: ``[S, HV, K, V]`` float32/bfloat16 pool, **mutated** (snapshot slots only).
+        src_indices: ``[B]`` int32 source slot per row; ``< 0`` is a padding row.
+        query_start_loc: ``[B + 1]`` int32.
+        snapshot_indices: ``[T]`` int32, the slot that receives the state after token ``t``
+            (``< 0``: not written). A slot may receive one token's state only, and may not be
+            another row's source.
+        validate: host-side value checks (``None``: on in eager, off while compiling).
+
+    Returns:
+        ``out [T, HV, V]`` in ``v``'s dtype (padding rows' tokens uninitialised).
+
+    Raises:
+        ValueError: naming the argument, before anything is written.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    scale = K**-0.5 if scale is None else float(scale)
+    out = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+    if should_validate(validate):
+        op = "gdn_snapshot_verify"
+        _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
+                                  snapshot_indices, out)
+        windows = window_bounds(op, query_start_loc, T)
+        S = state.shape[0]
+        srcs = slot_values(op, "src_indices", src_indices, S)
+        snaps = slot_values(op, "snapshot_indices", snapshot_indices, S)
+        reads = {b: s for b, s in enumerate(srcs) if s >= 0 and windows[b][1] > windows[b][0]}
+        writes = [(b, snaps[t], f"snapshot_indices[{t}]") for b, (bos, eos) in enumerate(windows)
+                  if b in reads for t in range(bos, eos) if snaps[t] >= 0]
+        seen = {}
+        for b, slot, arg in writes:
+            if slot in seen:
+                raise ValueError(f"{op}: {arg}: got slot {slot}; expected a slot written once "
+                                 f"(also {seen[slot]})")
+            seen[slot] = arg
+        check_write_conflicts(op, reads, writes)
+    torch.ops.ssm_spec.gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc,
+                                           snapshot_indices, out, scale, use_qk_l2norm)
+    return out

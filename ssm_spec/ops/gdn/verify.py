@@ -1,0 +1,280 @@
+"""``gdn_verify``: run a verify window from a read-only checkpoint and record the replay record.
+
+Kernel (Triton, CUDA), launcher, CPU implementation, ``torch.library`` registration and the
+friendly wrapper, together. The Triton kernel :func:`gdn_window_kernel` also serves the native
+snapshot op (``snapshot.py``): one kernel body, so the two compute the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import reference
+from .._validate import (
+    FLOAT_DTYPES,
+    STATE_DTYPES,
+    check_index,
+    check_tensor,
+    should_validate,
+    slot_values,
+    window_bounds,
+)
+from .inner import gdn_apply, gdn_correction, gdn_decay, gdn_tile_config, l2_normalize
+
+
+class ReplayRecord(NamedTuple):
+    """The fp32 per-token record verify writes and commit replays (DESIGN.md section 1).
+
+    Attributes:
+        u: ``[T, HV, V]`` (or ``[NL, T, HV, V]`` grouped) float32, the correction
+            ``u_t = beta_t * (v_t - P^T k̂_t)``.
+        k: ``[T, H, K]`` (``[NL, T, H, K]``) float32, the normalised key ``k̂_t``.
+        decay: ``[T, HV]`` (``[NL, T, HV]``) float32, ``d_t = exp(g_t)``.
+    """
+
+    u: torch.Tensor
+    k: torch.Tensor
+    decay: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def gdn_window_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+    state_ptr, src_ptr, qsl_ptr, snap_ptr,
+    out_ptr, ru_ptr, rk_ptr, rd_ptr,
+    scale, T, S,
+    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
+    s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
+    s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    STORE_RECORD: tl.constexpr, STORE_SNAPSHOTS: tl.constexpr,
+):
+    """One program per (V tile, row x value head): the state tile stays in registers across
+    the row's window. ``STORE_RECORD``: write the replay record (verify). ``STORE_SNAPSHOTS``:
+    write the state after each token into ``snap_ptr[t]`` (the native path)."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    slot = tl.load(src_ptr + i_b * s_src).to(tl.int64)
+    bos = tl.load(qsl_ptr + i_b * s_qsl)
+    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
+    bos = tl.minimum(tl.maximum(bos, 0), T)
+    eos = tl.minimum(tl.maximum(eos, bos), T)
+    if (slot >= 0) & (slot < S):
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+        tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+        b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
+        write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
+        for t in range(bos, eos):
+            b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=m_k, other=0).to(tl.float32)
+            b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=m_k, other=0).to(tl.float32)
+            b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=m_v, other=0).to(tl.float32)
+            b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh).to(tl.float32)
+            b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh).to(tl.float32)
+            if USE_QK_L2NORM:
+                b_k = l2_normalize(b_k)
+                b_q = l2_normalize(b_q) * scale
+            else:
+                b_q = b_q * scale
+            b_d = tl.exp(b_g)
+            b_p = gdn_decay(b_h, b_d)
+            b_u = gdn_correction(b_p, b_k, b_v, b_beta)
+            b_h = gdn_apply(b_p, b_k, b_u)
+            b_o = tl.sum(b_h * b_q[:, None], axis=0)
+            tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
+                     b_o.to(out_ptr.dtype.element_ty), mask=m_v)
+            if STORE_RECORD:
+                tl.store(ru_ptr + t * s_rut + i_hv * s_ruh + o_v * s_ruv, b_u, mask=m_v)
+                if i_v == 0:
+                    tl.store(rd_ptr + t * s_rdt + i_hv * s_rdh, b_d)
+                if write_k:
+                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
+            if STORE_SNAPSHOTS:
+                snap = tl.load(snap_ptr + t * s_snap).to(tl.int64)
+                if (snap >= 0) & (snap < S):
+                    tl.store(state_ptr + snap * s_ss + tile,
+                             b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+
+
+def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
+                      out, record, scale, use_qk_l2norm, config=None):
+    """Launch :func:`gdn_window_kernel` (no allocation; the grid depends on shapes only).
+
+    ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
+    tensor or None. ``config`` overrides ``(BK, BV, num_warps)`` (benchmarks only: bit
+    identity with commit holds for the default, shared configuration).
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    B = src_indices.shape[0]
+    BK, BV, num_warps = config or gdn_tile_config(K, V)
+    store_record = record is not None
+    store_snap = snapshot_indices is not None
+    ru, rk, rd = record if store_record else (out, q, g)  # dummies, never touched
+    snap = snapshot_indices if store_snap else src_indices
+    grid = (triton.cdiv(V, BV), B * HV)
+    if B == 0:
+        return
+    gdn_window_kernel[grid](
+        q, k, v, g, beta, state, src_indices, query_start_loc, snap, out, ru, rk, rd,
+        float(scale), T, state.shape[0],
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap.stride(0),
+        *out.stride(), *ru.stride(), *rk.stride(), *rd.stride(),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
+        STORE_RECORD=store_record, STORE_SNAPSHOTS=store_snap, num_warps=num_warps,
+    )
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
+                   out, record, scale, use_qk_l2norm):
+    """CPU twin of :func:`gdn_window_kernel`: the reference's own per-token expressions,
+    row by row; clamps windows and skips out-of-range slots exactly like the kernel."""
+    T, S = q.shape[0], state.shape[0]
+    qsl = query_start_loc.tolist()
+    snaps = snapshot_indices.tolist() if snapshot_indices is not None else None
+    for b, slot in enumerate(src_indices.tolist()):
+        bos = min(max(qsl[b], 0), T)
+        eos = min(max(qsl[b + 1], bos), T)
+        if not 0 <= slot < S or eos == bos:
+            continue
+        res = reference.gdn_native_step(
+            q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], state[slot],
+            scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=torch.float32,
+        )
+        out[bos:eos] = res.out
+        if record is not None:
+            record[0][bos:eos] = res.u
+            record[1][bos:eos] = res.khat
+            record[2][bos:eos] = res.decay
+        if snaps is not None:
+            for t in range(bos, eos):
+                if 0 <= snaps[t] < S:
+                    state[snaps[t]] = res.states[t - bos]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
+                               rec_u=None, rec_k=None, rec_decay=None):
+    """Ranks, shapes, dtypes, devices of the window ops' arguments (no host sync)."""
+    check_tensor(op, "state", state, ndim=4, dtypes=STATE_DTYPES)
+    dev = state.device
+    S, HV, K, V = state.shape
+    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    T, H = q.shape[0], q.shape[1]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"{op}: q: got {H} key heads for {HV} value heads; expected HV % H == 0")
+    check_tensor(op, "q", q, shape=(T, H, K))
+    check_tensor(op, "k", k, shape=(T, H, K), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "v", v, shape=(T, HV, V), dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "g", g, shape=(T, HV), dtypes=(torch.float32,), device=dev)
+    check_tensor(op, "beta", beta, shape=(T, HV), dtypes=FLOAT_DTYPES, device=dev)
+    check_index(op, "query_start_loc", query_start_loc, None, dev)
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
+    check_index(op, "state_indices" if rec_u is not None else "src_indices", src_indices, B, dev)
+    check_tensor(op, "out", out, shape=(None, HV, V), dtypes=(v.dtype,), device=dev)
+    if out.shape[0] < T:
+        raise ValueError(f"{op}: out: got {out.shape[0]} token rows; expected at least {T}")
+    if rec_u is not None:
+        check_tensor(op, "rec_u", rec_u, shape=(out.shape[0], HV, V), dtypes=(torch.float32,), device=dev)
+        check_tensor(op, "rec_k", rec_k, shape=(out.shape[0], H, K), dtypes=(torch.float32,), device=dev)
+        check_tensor(op, "rec_decay", rec_decay, shape=(out.shape[0], HV), dtypes=(torch.float32,), device=dev)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("ssm_spec::gdn_verify", mutates_args=("out", "rec_u", "rec_k", "rec_decay"))
+def gdn_verify_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
+    out: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
+    scale: float, use_qk_l2norm: bool,
+) -> None:
+    """``torch.ops.ssm_spec.gdn_verify``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
+                               query_start_loc, out, rec_u, rec_k, rec_decay)
+    gdn_window_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
+                   (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
+
+
+@gdn_verify_op.register_kernel("cuda")
+def _gdn_verify_cuda(q, k, v, g, beta, state, state_indices, query_start_loc, out, rec_u, rec_k,
+                     rec_decay, scale, use_qk_l2norm):
+    check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
+                               query_start_loc, out, rec_u, rec_k, rec_decay)
+    launch_gdn_window(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
+                      (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
+
+
+@gdn_verify_op.register_fake
+def _gdn_verify_fake(*args, **kwargs):
+    return None
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=None,
+               use_qk_l2norm=True, validate=None):
+    """Verify a window of tokens per row from a read-only checkpoint (RecoverSSM, DESIGN.md §1-4).
+
+    Args:
+        q, k: ``[T, H, K]`` float32/bfloat16/float16, any strides (views of the conv output).
+        v: ``[T, HV, V]``, same dtypes; ``HV % H == 0``; value head ``i`` uses key head
+            ``i // (HV // H)``.
+        g: ``[T, HV]`` float32 log decay (``<= 0``). beta: ``[T, HV]`` float.
+        state: ``[S, HV, K, V]`` float32 or bfloat16 pool; **read only**.
+        state_indices: ``[B]`` int32 checkpoint slot of each row; ``< 0`` is a padding row
+            (reads and writes nothing).
+        query_start_loc: ``[B + 1]`` int32; row ``b`` owns tokens ``[qsl[b], qsl[b+1])``.
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm: L2-normalise q and k (``x / sqrt(sum(x*x) + 1e-6)``).
+        validate: host-side value checks; ``None`` = on in eager, off while compiling/capturing.
+
+    Returns:
+        ``(out, record)``: ``out [T, HV, V]`` in ``v``'s dtype and a :class:`ReplayRecord`.
+        Tokens outside every window and tokens of padding rows are left uninitialised.
+
+    Raises:
+        ValueError: naming the argument, for bad shapes, dtypes, devices, a slot ``>= S``,
+            or a malformed ``query_start_loc``; nothing is written.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    scale = K**-0.5 if scale is None else float(scale)
+    out = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+    record = ReplayRecord(
+        u=torch.empty((T, HV, V), dtype=torch.float32, device=v.device),
+        k=torch.empty((T, H, K), dtype=torch.float32, device=v.device),
+        decay=torch.empty((T, HV), dtype=torch.float32, device=v.device),
+    )
+    if should_validate(validate):
+        check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
+                                   query_start_loc, out, *record)
+        window_bounds("gdn_verify", query_start_loc, T)
+        slot_values("gdn_verify", "state_indices", state_indices, state.shape[0])
+    torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc,
+                                  out, record.u, record.k, record.decay, scale, use_qk_l2norm)
+    return out, record

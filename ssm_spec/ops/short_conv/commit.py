@@ -1,0 +1,223 @@
+"""``short_conv_commit``: compact the conv state so it holds the last ``Lc`` inputs up to the
+``n``-th accepted token (and every boundary), from the checkpoint and the recorded inputs.
+
+Pure data movement, so it is bit exact on every backend. Grouped form: ``conv_state
+[NL, S, Lc, C]`` with ``rec_x [NL, T, C]`` for layers of one conv shape, one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._validate import FLOAT_DTYPES, check_index, check_tensor, should_validate
+from ..gdn.commit import check_commit_values, no_boundaries
+from ..gdn.inner import next_power_of_2
+from .verify import conv_block_c
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _shifted_state(b_s, rx_ptr, bos, m, o_l, o_c, m_c, s_rt, s_rc,
+                   LC: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr):
+    """The last ``LC`` inputs after ``m`` window tokens: entry ``i`` is element ``i + m`` of
+    ``checkpoint ++ window``, from the registers ``b_s`` (never re-read from the pool, so
+    in-place and overlapping writes cannot race) or from the record."""
+    j = o_l + m
+    idx = tl.broadcast_to(tl.minimum(j, BL - 1)[:, None], (BL, BC))
+    from_state = tl.gather(b_s, idx, 0)
+    tok = (bos + j - LC).to(tl.int64)
+    from_x = tl.load(rx_ptr + tok[:, None] * s_rt + o_c[None, :] * s_rc,
+                     mask=(j >= LC)[:, None] & (o_l < LC)[:, None] & m_c[None, :], other=0)
+    return tl.where((j < LC)[:, None], from_state, from_x)
+
+
+@triton.jit
+def short_conv_commit_kernel(
+    cs_ptr, rx_ptr, qsl_ptr, src_ptr, n_ptr, dst_ptr, bidx_ptr, boff_ptr,
+    T, S, C, NBD,
+    s_csl, s_css, s_csj, s_csc, s_rxl, s_rt, s_rc,
+    s_qsl, s_src, s_n, s_dst, s_bib, s_bij, s_bob, s_boj,
+    LC: tl.constexpr, BL: tl.constexpr, BC: tl.constexpr,
+):
+    """One program per (channel tile, row, layer): reads the whole source tile first."""
+    i_c = tl.program_id(0)
+    i_b = tl.program_id(1)
+    i_l = tl.program_id(2).to(tl.int64)
+    bos = tl.load(qsl_ptr + i_b * s_qsl)
+    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
+    bos = tl.minimum(tl.maximum(bos, 0), T)
+    eos = tl.minimum(tl.maximum(eos, bos), T)
+    n = tl.load(n_ptr + i_b * s_n)
+    n = tl.minimum(tl.maximum(n, 0), eos - bos)
+    src = tl.load(src_ptr + i_b * s_src).to(tl.int64)
+    if (n > 0) & (src >= 0) & (src < S):
+        o_l = tl.arange(0, BL)
+        o_c = i_c * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        m_t = (o_l < LC)[:, None] & m_c[None, :]
+        layer = cs_ptr + i_l * s_csl
+        rx = rx_ptr + i_l * s_rxl
+        tile = o_l[:, None] * s_csj + o_c[None, :] * s_csc
+        b_s = tl.load(layer + src * s_css + tile, mask=m_t, other=0).to(tl.float32)
+        for j in range(0, NBD):
+            off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)
+            bidx = tl.load(bidx_ptr + i_b * s_bib + j * s_bij).to(tl.int64)
+            if (off >= 1) & (off <= n) & (bidx >= 0) & (bidx < S):
+                b_o = _shifted_state(b_s, rx, bos, off, o_l, o_c, m_c, s_rt, s_rc, LC, BL, BC)
+                tl.store(layer + bidx * s_css + tile, b_o.to(cs_ptr.dtype.element_ty), mask=m_t)
+        dst = tl.load(dst_ptr + i_b * s_dst).to(tl.int64)
+        if (dst >= 0) & (dst < S):
+            b_o = _shifted_state(b_s, rx, bos, n, o_l, o_c, m_c, s_rt, s_rc, LC, BL, BC)
+            tl.store(layer + dst * s_css + tile, b_o.to(cs_ptr.dtype.element_ty), mask=m_t)
+
+
+def _grouped(conv_state, rec_x):
+    if conv_state.dim() == 3:
+        return conv_state.unsqueeze(0), rec_x.unsqueeze(0)
+    return conv_state, rec_x
+
+
+def launch_short_conv_commit(conv_state, rec_x, query_start_loc, src_indices,
+                             num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
+    """Launch :func:`short_conv_commit_kernel` over every layer of the group in one grid."""
+    conv_state, rec_x = _grouped(conv_state, rec_x)
+    NL, S, LC, C = conv_state.shape
+    B = src_indices.shape[0]
+    if B == 0 or NL == 0 or LC == 0:
+        return
+    BC = conv_block_c(C)
+    grid = (triton.cdiv(C, BC), B, NL)
+    short_conv_commit_kernel[grid](
+        conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+        boundary_indices, boundary_offsets,
+        rec_x.shape[1], S, C, boundary_indices.shape[1],
+        *conv_state.stride(), rec_x.stride(0), rec_x.stride(1), rec_x.stride(2),
+        query_start_loc.stride(0), src_indices.stride(0), num_accepted_tokens.stride(0),
+        dst_indices.stride(0), *boundary_indices.stride(), *boundary_offsets.stride(),
+        LC=LC, BL=next_power_of_2(LC), BC=BC, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def short_conv_commit_cpu(conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens,
+                          dst_indices, boundary_indices, boundary_offsets):
+    """CPU twin of :func:`short_conv_commit_kernel`."""
+    conv_state, rec_x = _grouped(conv_state, rec_x)
+    NL, S, LC = conv_state.shape[:3]
+    T = rec_x.shape[1]
+    qsl = query_start_loc.tolist()
+    counts = num_accepted_tokens.tolist()
+    dsts = dst_indices.tolist()
+    bidx = boundary_indices.tolist()
+    boff = boundary_offsets.tolist()
+    for b, src in enumerate(src_indices.tolist()):
+        bos = min(max(qsl[b], 0), T)
+        eos = min(max(qsl[b + 1], bos), T)
+        n = min(max(counts[b], 0), eos - bos)
+        if n == 0 or not 0 <= src < S or LC == 0:
+            continue
+        for layer in range(NL):
+            hist = torch.cat([conv_state[layer, src].to(torch.float32), rec_x[layer, bos:bos + n]])
+            for j, off in enumerate(boff[b]):
+                if 1 <= off <= n and 0 <= bidx[b][j] < S:
+                    conv_state[layer, bidx[b][j]] = hist[off:off + LC]
+            if 0 <= dsts[b] < S:
+                conv_state[layer, dsts[b]] = hist[n:n + LC]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_short_conv_commit_structure(conv_state, rec_x, query_start_loc, src_indices,
+                                      num_accepted_tokens, dst_indices, boundary_indices,
+                                      boundary_offsets):
+    """Ranks, shapes, dtypes and devices (no host sync)."""
+    op = "short_conv_commit"
+    check_tensor(op, "conv_state", conv_state, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    dev = conv_state.device
+    lead = conv_state.shape[:-3]
+    C = conv_state.shape[-1]
+    check_tensor(op, "rec_x", rec_x, ndim=conv_state.dim() - 1, dtypes=(torch.float32,), device=dev)
+    check_tensor(op, "rec_x", rec_x, shape=(*lead, None, C))
+    check_index(op, "query_start_loc", query_start_loc, None, dev)
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
+    check_index(op, "src_indices", src_indices, B, dev)
+    check_index(op, "num_accepted_tokens", num_accepted_tokens, B, dev)
+    check_index(op, "dst_indices", dst_indices, B, dev)
+    check_index(op, "boundary_indices", boundary_indices, B, dev, ndim=2)
+    check_index(op, "boundary_offsets", boundary_offsets, B, dev, ndim=2)
+    if boundary_offsets.shape != boundary_indices.shape:
+        raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
+                         f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("ssm_spec::short_conv_commit", mutates_args=("conv_state",))
+def short_conv_commit_op(
+    conv_state: torch.Tensor, rec_x: torch.Tensor, query_start_loc: torch.Tensor,
+    src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor, dst_indices: torch.Tensor,
+    boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
+) -> None:
+    """``torch.ops.ssm_spec.short_conv_commit``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+            boundary_indices, boundary_offsets)
+    check_short_conv_commit_structure(*args)
+    short_conv_commit_cpu(*args)
+
+
+@short_conv_commit_op.register_kernel("cuda")
+def _short_conv_commit_cuda(*args):
+    check_short_conv_commit_structure(*args)
+    launch_short_conv_commit(*args)
+
+
+@short_conv_commit_op.register_fake
+def _short_conv_commit_fake(*args, **kwargs):
+    return None
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens,
+                      dst_indices=None, boundary_indices=None, boundary_offsets=None,
+                      validate=None):
+    """Compact each row's conv state to end at its ``n``-th accepted token.
+
+    After the call, ``dst`` holds the last ``Lc`` inputs of ``checkpoint ++ window[:n]``
+    (oldest first), and each boundary entry those of ``checkpoint ++ window[:offset]``.
+
+    Args:
+        conv_state: ``[S, Lc, C]`` pool or ``[NL, S, Lc, C]`` grouped; **mutated**.
+        rec_x: ``[T, C]`` (``[NL, T, C]``) float32, from :func:`ssm_spec.ops.short_conv_verify`.
+        query_start_loc, src_indices, num_accepted_tokens, dst_indices, boundary_indices,
+        boundary_offsets, validate: as :func:`ssm_spec.ops.gdn_commit` (same conventions).
+
+    Raises:
+        ValueError: naming the argument, before anything is written.
+    """
+    B = src_indices.shape[0]
+    if dst_indices is None:
+        dst_indices = src_indices
+    if boundary_indices is None and boundary_offsets is None:
+        boundary_indices, boundary_offsets = no_boundaries(B, conv_state.device)
+    elif boundary_indices is None or boundary_offsets is None:
+        raise ValueError("short_conv_commit: boundary_indices and boundary_offsets: got only one "
+                         "of them; expected both or neither")
+    args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+            boundary_indices, boundary_offsets)
+    if should_validate(validate):
+        check_short_conv_commit_structure(*args)
+        check_commit_values("short_conv_commit", conv_state.shape[-3], rec_x.shape[-2],
+                            query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+                            boundary_indices, boundary_offsets)
+    torch.ops.ssm_spec.short_conv_commit(*args)

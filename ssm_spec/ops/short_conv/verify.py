@@ -1,0 +1,216 @@
+"""``short_conv_verify``: the causal (dilated) depthwise short conv over a verify window.
+
+Reads each row's conv state read-only, writes the outputs and records the window inputs
+(``rec_x``, fp32) for the commit. Kernel, launcher, CPU implementation, registration and
+wrapper together.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import reference
+from .._validate import (
+    FLOAT_DTYPES,
+    check_index,
+    check_tensor,
+    should_validate,
+    slot_values,
+    window_bounds,
+)
+from ..gdn.inner import next_power_of_2
+
+ACTIVATIONS = ("silu", "none")
+
+
+def conv_block_c(C: int) -> int:
+    """Channels per program (shared by verify and commit)."""
+    return min(next_power_of_2(C), 256)
+
+
+# ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def short_conv_verify_kernel(
+    x_ptr, w_ptr, bias_ptr, cs_ptr, idx_ptr, qsl_ptr, out_ptr, rx_ptr,
+    T, S, C,
+    s_xt, s_xc, s_wc, s_wj, s_bias, s_cs, s_cl, s_cc, s_idx, s_qsl, s_ot, s_oc, s_rt, s_rc,
+    KS: tl.constexpr, DIL: tl.constexpr, LC: tl.constexpr, BC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+):
+    """One program per (channel tile, row). Taps before the window come from the conv state
+    (``x_{-m} = state[Lc - m]``); nothing is written to the state."""
+    i_c = tl.program_id(0)
+    i_b = tl.program_id(1)
+    slot = tl.load(idx_ptr + i_b * s_idx).to(tl.int64)
+    bos = tl.load(qsl_ptr + i_b * s_qsl)
+    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
+    bos = tl.minimum(tl.maximum(bos, 0), T)
+    eos = tl.minimum(tl.maximum(eos, bos), T)
+    if (slot >= 0) & (slot < S):
+        o_c = i_c * BC + tl.arange(0, BC)
+        m_c = o_c < C
+        p_state = cs_ptr + slot * s_cs + o_c * s_cc
+        for t in range(bos, eos):
+            if HAS_BIAS:
+                acc = tl.load(bias_ptr + o_c * s_bias, mask=m_c, other=0).to(tl.float32)
+            else:
+                acc = tl.zeros([BC], dtype=tl.float32)
+            for j in tl.static_range(KS):
+                pos = t - bos - (KS - 1 - j) * DIL  # position relative to the window start
+                in_window = tl.full([BC], pos, tl.int32) >= 0
+                from_x = tl.load(x_ptr + (t - (KS - 1 - j) * DIL) * s_xt + o_c * s_xc,
+                                 mask=m_c & in_window, other=0).to(tl.float32)
+                from_state = tl.load(p_state + (LC + pos) * s_cl, mask=m_c & (~in_window),
+                                     other=0).to(tl.float32)
+                w = tl.load(w_ptr + o_c * s_wc + j * s_wj, mask=m_c, other=0).to(tl.float32)
+                acc = acc + w * tl.where(in_window, from_x, from_state)
+            if SILU:
+                acc = acc * tl.sigmoid(acc)
+            x_t = tl.load(x_ptr + t * s_xt + o_c * s_xc, mask=m_c, other=0).to(tl.float32)
+            tl.store(out_ptr + t * s_ot + o_c * s_oc, acc.to(out_ptr.dtype.element_ty), mask=m_c)
+            tl.store(rx_ptr + t * s_rt + o_c * s_rc, x_t, mask=m_c)
+
+
+def launch_short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_loc, out,
+                             rec_x, dilation, activation):
+    """Launch :func:`short_conv_verify_kernel` (no allocation; grid from shapes)."""
+    T, C = x.shape
+    KS = weight.shape[1]
+    B = state_indices.shape[0]
+    BC = conv_block_c(C)
+    if B == 0:
+        return
+    has_bias = bias is not None
+    b = bias if has_bias else weight
+    grid = (triton.cdiv(C, BC), B)
+    short_conv_verify_kernel[grid](
+        x, weight, b, conv_state, state_indices, query_start_loc, out, rec_x,
+        T, conv_state.shape[0], C,
+        *x.stride(), *weight.stride(), b.stride(0), *conv_state.stride(), state_indices.stride(0),
+        query_start_loc.stride(0), *out.stride(), *rec_x.stride(),
+        KS=KS, DIL=dilation, LC=(KS - 1) * dilation, BC=BC, HAS_BIAS=has_bias,
+        SILU=activation == "silu", num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def short_conv_verify_cpu(x, weight, bias, conv_state, state_indices, query_start_loc, out,
+                          rec_x, dilation, activation):
+    """CPU twin of the kernel: the reference's expressions, row by row."""
+    T, S = x.shape[0], conv_state.shape[0]
+    qsl = query_start_loc.tolist()
+    for b, slot in enumerate(state_indices.tolist()):
+        bos = min(max(qsl[b], 0), T)
+        eos = min(max(qsl[b + 1], bos), T)
+        if not 0 <= slot < S or eos == bos:
+            continue
+        res = reference.short_conv_native_step(x[bos:eos], weight, bias, conv_state[slot],
+                                               dilation, activation, dtype=torch.float32)
+        out[bos:eos] = res.out
+        rec_x[bos:eos] = x[bos:eos]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_short_conv_verify_structure(x, weight, bias, conv_state, state_indices,
+                                      query_start_loc, out, rec_x, dilation, activation):
+    """Ranks, shapes, dtypes, devices and static arguments (no host sync)."""
+    op = "short_conv_verify"
+    check_tensor(op, "conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES)
+    dev = conv_state.device
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    T, C = x.shape
+    check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    if weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"{op}: weight: got shape {list(weight.shape)}; expected [C={C}, kernel_size >= 1]")
+    if not isinstance(dilation, int) or dilation < 1:
+        raise ValueError(f"{op}: dilation: got {dilation!r}; expected an int >= 1")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation: got {activation!r}; expected one of {ACTIVATIONS}")
+    lc = (weight.shape[1] - 1) * dilation
+    check_tensor(op, "conv_state", conv_state, shape=(None, lc, C))
+    if bias is not None:
+        check_tensor(op, "bias", bias, shape=(C,), dtypes=FLOAT_DTYPES, device=dev)
+    check_index(op, "query_start_loc", query_start_loc, None, dev)
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
+    check_index(op, "state_indices", state_indices, B, dev)
+    check_tensor(op, "out", out, shape=(None, C), dtypes=(x.dtype,), device=dev)
+    if out.shape[0] < T:
+        raise ValueError(f"{op}: out: got {out.shape[0]} token rows; expected at least {T}")
+    check_tensor(op, "rec_x", rec_x, shape=(out.shape[0], C), dtypes=(torch.float32,), device=dev)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op("ssm_spec::short_conv_verify", mutates_args=("out", "rec_x"))
+def short_conv_verify_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+    state_indices: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
+    rec_x: torch.Tensor, dilation: int, activation: str,
+) -> None:
+    """``torch.ops.ssm_spec.short_conv_verify``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
+            activation)
+    check_short_conv_verify_structure(*args)
+    short_conv_verify_cpu(*args)
+
+
+@short_conv_verify_op.register_kernel("cuda")
+def _short_conv_verify_cuda(*args):
+    check_short_conv_verify_structure(*args)
+    launch_short_conv_verify(*args)
+
+
+@short_conv_verify_op.register_fake
+def _short_conv_verify_fake(*args, **kwargs):
+    return None
+
+
+# ----------------------------------------------------------------------------- wrapper
+
+
+def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_loc, dilation=1,
+                      activation="silu", validate=None):
+    """Causal depthwise conv over each row's verify window, state read only.
+
+    ``y_t[c] = act(bias[c] + sum_j weight[c, j] * x_{t-(ks-1-j)*D}[c])`` with inputs before
+    the window taken from the row's conv state (the last ``Lc = (ks - 1) * D`` inputs, oldest
+    first); PyTorch's ``conv1d`` convention with left padding (DESIGN.md section 2).
+
+    Args:
+        x: ``[T, C]`` float32/bfloat16/float16, any strides.
+        weight: ``[C, kernel_size]``; bias: ``[C]`` or None.
+        conv_state: ``[S, Lc, C]`` pool, **read only**.
+        state_indices: ``[B]`` int32 (``< 0``: padding row, nothing read or written).
+        query_start_loc: ``[B + 1]`` int32.
+        dilation: ``D >= 1``. activation: ``"silu"`` or ``"none"``.
+        validate: host-side value checks (``None``: on in eager, off while compiling).
+
+    Returns:
+        ``(out [T, C] in x's dtype, rec_x [T, C] float32)``: the outputs and the recorded window
+        inputs for :func:`ssm_spec.ops.short_conv_commit`.
+
+    Raises:
+        ValueError: naming the argument, before anything is written.
+    """
+    T, C = x.shape
+    out = torch.empty((T, C), dtype=x.dtype, device=x.device)
+    rec_x = torch.empty((T, C), dtype=torch.float32, device=x.device)
+    args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
+            activation)
+    if should_validate(validate):
+        check_short_conv_verify_structure(*args)
+        window_bounds("short_conv_verify", query_start_loc, T)
+        slot_values("short_conv_verify", "state_indices", state_indices, conv_state.shape[0])
+    torch.ops.ssm_spec.short_conv_verify(*args)
+    return out, rec_x
