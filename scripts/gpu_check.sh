@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16]     (default: tests bench)
+# Writes logs, JUnit XML and benchmark JSON/PNG under $OUT and prints a short table last.
+# fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
+# conftest also turns cuDNN/cuBLAS TF32 off).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ssm_spec_gpu}
+mkdir -p "$OUT"
+export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PARTS=${*:-tests bench}
+summary=()
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+for part in $PARTS; do
+  case $part in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
+      summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      python3 -m ssm_spec selfcheck 2>&1 | tee "$OUT/selfcheck.log"
+      summary+=("selfcheck: $(tail -n 1 "$OUT/selfcheck.log")")
+      ;;
+    bench)
+      python3 benchmarks/bench_ops.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_fp32.log"
+      summary+=("bench fp32: see table above ($OUT/bench_fp32.log)")
+      ;;
+    bench-bf16)
+      python3 benchmarks/bench_ops.py --state-dtype bfloat16 --out-dir "$OUT" 2>&1 | tee "$OUT/bench_bf16.log"
+      summary+=("bench bf16: $OUT/bench_bf16.log")
+      ;;
+    *) echo "unknown part: $part"; exit 2 ;;
+  esac
+done
+echo
+echo "== summary =="
+for line in "${summary[@]}"; do echo "$line"; done
+for log in "$OUT"/bench_*.log; do
+  [ -f "$log" ] && { echo "-- $(basename "$log")"; grep -E '^ *[0-9]+ \|' "$log"; }
+done

@@ -1,0 +1,157 @@
+"""Self-check: every op against the token-by-token reference on fresh random data.
+
+Run as ``ssm-spec selfcheck`` (or ``python -m ssm_spec selfcheck``). Prints one table row per
+(op, device, state dtype) and exits non-zero if any check fails. Runs on the CPU kernels and,
+when CUDA is present, on the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import ops, reference
+
+
+@dataclass
+class Check:
+    op: str
+    device: str
+    state_dtype: str
+    what: str
+    value: str
+    ok: bool
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def _gdn_checks(device, state_dtype, seed) -> list[Check]:
+    gen = torch.Generator().manual_seed(seed)
+    HV, H, K, V, W, S = 8, 4, 64, 48, 4, 16
+    lengths = [W, 3, W, 0, W]
+    srcs = [0, 5, -1, 7, 9]
+    qsl_l = [0]
+    for n in lengths:
+        qsl_l.append(qsl_l[-1] + n)
+    T = qsl_l[-1]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    buf = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device)
+    q = buf[:, : H * K].unflatten(1, (H, K))
+    k = buf[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v = buf[:, 2 * H * K :].unflatten(1, (HV, V))
+    g = (-torch.nn.functional.softplus(torch.randn(T, HV, generator=gen))).to(device)
+    beta = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device)
+    pool = (torch.randn(S, HV, K, V, generator=gen) * 0.5).to(device=device, dtype=state_dtype)
+    qsl, src = i32(qsl_l), i32(srcs)
+    sd = str(state_dtype).replace("torch.", "")
+    dev = device.type
+    checks = []
+
+    before = pool.clone()
+    out, rec = ops.gdn_verify(q, k, v, g, beta, pool, src, qsl)
+    worst = 0.0
+    for b, s in enumerate(srcs):
+        bos, eos = qsl_l[b], qsl_l[b + 1]
+        if s < 0 or bos == eos:
+            continue
+        ref = reference.gdn_native_step(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos],
+                                        beta[bos:eos], pool[s], dtype=torch.float64)
+        worst = max(worst, _rel(out[bos:eos], ref.out), _rel(rec.u[bos:eos], ref.u))
+    checks.append(Check("gdn_verify", dev, sd, "max rel err vs float64 (out, u)", f"{worst:.1e}", worst < 1e-5))
+    checks.append(Check("gdn_verify", dev, sd, "pool unchanged", str(torch.equal(pool, before)),
+                        torch.equal(pool, before)))
+
+    scratch = torch.cat([pool, torch.zeros((T, HV, K, V), dtype=state_dtype, device=device)])
+    snap_out = ops.gdn_snapshot_verify(q, k, v, g, beta, scratch, src, qsl,
+                                       torch.arange(S, S + T, dtype=torch.int32, device=device))
+    live = torch.tensor([s >= 0 for b, s in enumerate(srcs) for _ in range(lengths[b])])
+    same_out = torch.equal(snap_out[live], out[live])
+    checks.append(Check("gdn_snapshot_verify", dev, sd, "out == verify out (bitwise)", str(same_out), same_out))
+
+    exact, worst = True, 0.0
+    for trial in range(W + 1):
+        counts = [min((b + trial) % (W + 1), lengths[b]) for b in range(len(srcs))]
+        work = pool.clone()
+        ops.gdn_commit(work, rec, qsl, src, i32(counts))
+        for b, s in enumerate(srcs):
+            if s < 0:
+                continue
+            n = counts[b]
+            native = scratch[S + qsl_l[b] + n - 1] if n else pool[s]
+            exact &= torch.equal(work[s], native)
+            if n and state_dtype == torch.float32:
+                ref = reference.gdn_native_step(q[qsl_l[b]:qsl_l[b] + n], k[qsl_l[b]:qsl_l[b] + n],
+                                                v[qsl_l[b]:qsl_l[b] + n], g[qsl_l[b]:qsl_l[b] + n],
+                                                beta[qsl_l[b]:qsl_l[b] + n], pool[s], dtype=torch.float64)
+                worst = max(worst, _rel(work[s], ref.states[-1]))
+    checks.append(Check("gdn_commit", dev, sd, "== native state, every n in 0..W (bitwise)", str(exact), exact))
+    if state_dtype == torch.float32:
+        checks.append(Check("gdn_commit", dev, sd, "max rel err vs float64", f"{worst:.1e}", worst < 1e-5))
+    return checks
+
+
+def _conv_checks(device, seed) -> list[Check]:
+    gen = torch.Generator().manual_seed(seed)
+    C, ks, dil, S, W = 96, 4, 2, 8, 5
+    lc = (ks - 1) * dil
+    lengths, srcs = [W, 2, W], [0, 3, 6]
+    qsl_l = [0, W, W + 2, 2 * W + 2]
+    T = qsl_l[-1]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    x = torch.randn(T, C, generator=gen).to(device)
+    w = torch.randn(C, ks, generator=gen).to(device)
+    bias = torch.randn(C, generator=gen).to(device)
+    state = torch.randn(S, lc, C, generator=gen).to(device)
+    out, rec_x = ops.short_conv_verify(x, w, bias, state, i32(srcs), i32(qsl_l), dilation=dil)
+    worst = 0.0
+    for b, s in enumerate(srcs):
+        ref = reference.short_conv_native_step(x[qsl_l[b]:qsl_l[b + 1]], w, bias, state[s], dil,
+                                               dtype=torch.float64)
+        worst = max(worst, _rel(out[qsl_l[b]:qsl_l[b + 1]], ref.out))
+    dev = device.type
+    checks = [Check("short_conv_verify", dev, "float32", "max rel err vs float64", f"{worst:.1e}", worst < 1e-6)]
+    exact = True
+    for n_all in range(W + 1):
+        counts = [min(n_all, n) for n in lengths]
+        work = state.clone()
+        ops.short_conv_commit(work, rec_x, i32(qsl_l), i32(srcs), i32(counts))
+        for b, s in enumerate(srcs):
+            hist = torch.cat([state[s], x[qsl_l[b]:qsl_l[b] + counts[b]]])
+            exact &= torch.equal(work[s], hist[-lc:])
+    checks.append(Check("short_conv_commit", dev, "float32", "== last Lc inputs, every n (bitwise)", str(exact), exact))
+    return checks
+
+
+def run(seed: int | None = None) -> list[Check]:
+    """Run every check on the CPU and, if present, on CUDA; return the rows."""
+    seed = int(time.time()) % 100000 if seed is None else seed
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    rows: list[Check] = []
+    for device in devices:
+        for state_dtype in (torch.float32, torch.bfloat16):
+            rows += _gdn_checks(device, state_dtype, seed)
+        rows += _conv_checks(device, seed)
+    return rows
+
+
+def main(seed: int | None = None) -> int:
+    """Print the table; return 0 if every check passed, 1 otherwise."""
+    seed = int(time.time()) % 100000 if seed is None else seed
+    rows = run(seed)
+    headers = ("op", "device", "state", "check", "value", "ok")
+    table = [(r.op, r.device, r.state_dtype, r.what, r.value, "PASS" if r.ok else "FAIL") for r in rows]
+    widths = [max(len(h), *(len(str(row[i])) for row in table)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    print(f"ssm-spec self-check (seed {seed}, torch {torch.__version__})")
+    print(line(headers))
+    print(line("-" * w for w in widths))
+    for row in table:
+        print(line(row))
+    failed = sum(not r.ok for r in rows)
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0

@@ -1,0 +1,30 @@
+"""Shared fixtures: every op test runs on the CPU and, where CUDA is present, on the GPU.
+
+fp32 exactness is compared against code we do not own only with IEEE fp32 dots: the
+environment variable and cuDNN flag are set here, before any kernel module is imported.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
+
+# tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1 in its own process
+# (tests/test_triton_interpret.py starts it); a normal session must not import it.
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpret"]
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)

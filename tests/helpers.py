@@ -1,0 +1,91 @@
+"""Input builders and comparisons shared by the op tests (CPU, GPU and Triton interpreter)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+I32 = torch.int32
+POISON = float("nan")
+
+
+def i32(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=I32, device=device)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality that also holds for NaN poison."""
+    view = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def qsl_from_lengths(lengths, device) -> torch.Tensor:
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    return i32(qsl, device)
+
+
+@dataclass
+class GDNInputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    def window(self, bos, eos):
+        return (self.q[bos:eos], self.k[bos:eos], self.v[bos:eos], self.g[bos:eos], self.beta[bos:eos])
+
+    def args(self):
+        return (self.q, self.k, self.v, self.g, self.beta)
+
+
+def gdn_inputs(T, H, HV, K, V, device, dtype=torch.float32, strided=True, gen=None,
+               g_fill=None, beta_fill=None) -> GDNInputs:
+    """Fresh random GDN activations. ``strided``: q, k, v are views of one conv-output-like
+    buffer ``[T, 2*H*K + HV*V]`` (as the module produces them), so none is contiguous."""
+    gen = gen or torch.Generator().manual_seed(0)
+    if strided:
+        buf = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device=device, dtype=dtype)
+        q = buf[:, : H * K].unflatten(1, (H, K))
+        k = buf[:, H * K : 2 * H * K].unflatten(1, (H, K))
+        v = buf[:, 2 * H * K :].unflatten(1, (HV, V))
+    else:
+        q = torch.randn(T, H, K, generator=gen).to(device=device, dtype=dtype)
+        k = torch.randn(T, H, K, generator=gen).to(device=device, dtype=dtype)
+        v = torch.randn(T, HV, V, generator=gen).to(device=device, dtype=dtype)
+    a = torch.randn(T, HV, generator=gen)
+    g = (-torch.nn.functional.softplus(a) * 0.5).to(device)
+    beta = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device=device, dtype=dtype)
+    if g_fill is not None:
+        g = torch.full_like(g, g_fill)
+    if beta_fill is not None:
+        beta = torch.full_like(beta, beta_fill)
+    return GDNInputs(q, k, v, g.to(torch.float32), beta)
+
+
+def random_pool(S, HV, K, V, device, dtype=torch.float32, gen=None) -> torch.Tensor:
+    gen = gen or torch.Generator().manual_seed(1)
+    return (torch.randn(S, HV, K, V, generator=gen) * 0.5).to(device=device, dtype=dtype)
+
+
+def native_states(inputs: GDNInputs, state, src, qsl, scale=None, use_qk_l2norm=True):
+    """The same backend's native per-token states: run ``gdn_snapshot_verify`` on a scratch
+    pool that has one slot per token. Returns ``(out, snaps [T, HV, K, V])``."""
+    from ssm_spec import ops
+
+    T = inputs.q.shape[0]
+    S = state.shape[0]
+    scratch = torch.cat([state, torch.zeros((T, *state.shape[1:]), dtype=state.dtype, device=state.device)])
+    snap_idx = torch.arange(S, S + T, dtype=I32, device=state.device)
+    out = ops.gdn_snapshot_verify(*inputs.args(), scratch, src, qsl, snap_idx, scale=scale,
+                                  use_qk_l2norm=use_qk_l2norm)
+    return out, scratch[S:]

@@ -1,0 +1,165 @@
+"""The Triton kernels themselves, run eagerly on CPU tensors under ``TRITON_INTERPRET=1``.
+
+Collected only when ``TRITON_INTERPRET=1`` is set before import (``tests/conftest.py``);
+``tests/test_triton_interpret.py`` starts this file in its own process. Kernels are called
+through their launchers (the ops would route CPU tensors to the CPU kernels). Activations are
+fp32/fp16: the interpreter mishandles bf16 arithmetic.
+"""
+
+import os
+
+import pytest
+import torch
+
+from ssm_spec import ops, reference
+from ssm_spec.ops.gdn.commit import launch_gdn_commit, no_boundaries
+from ssm_spec.ops.gdn.verify import launch_gdn_window
+from ssm_spec.ops.short_conv.commit import launch_short_conv_commit
+from ssm_spec.ops.short_conv.verify import launch_short_conv_verify
+from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, rel_err, same_bits
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 set before import"
+NAN = float("nan")
+
+
+def _triton_verify(inp, pool, src, qsl, snap=None, scale=None, use_qk_l2norm=True):
+    T, H, K = inp.q.shape
+    HV, V = inp.v.shape[1:]
+    out = torch.full((T, HV, V), NAN, dtype=inp.v.dtype)
+    rec = None if snap is not None else ops.ReplayRecord(
+        torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN), torch.full((T, HV), NAN))
+    launch_gdn_window(*inp.args(), pool, src, qsl, snap, out, rec, K**-0.5 if scale is None else scale,
+                      use_qk_l2norm)
+    return out, rec
+
+
+def _triton_native(inp, pool, src, qsl):
+    T = inp.q.shape[0]
+    S = pool.shape[0]
+    scratch = torch.cat([pool, torch.full((T, *pool.shape[1:]), NAN, dtype=pool.dtype)])
+    _triton_verify(inp, scratch, src, qsl, snap=torch.arange(S, S + T, dtype=torch.int32))
+    return scratch[S:]
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 16, 32), (3, 1, 12, 20)])
+@pytest.mark.parametrize("act_dtype", [torch.float32, torch.float16])
+def test_verify_kernel_matches_cpu_and_reference(shape, act_dtype):
+    HV, H, K, V = shape
+    qsl = qsl_from_lengths([3, 0, 4, 2], "cpu")
+    src = i32([0, 2, -1, 5], "cpu")
+    inp = gdn_inputs(int(qsl[-1]) + 1, H, HV, K, V, "cpu", dtype=act_dtype)
+    pool = random_pool(6, HV, K, V, "cpu")
+    before = pool.clone()
+    out, rec = _triton_verify(inp, pool, src, qsl)
+    assert same_bits(pool, before)
+    cpu_out, cpu_rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    live = torch.zeros(inp.q.shape[0], dtype=torch.bool)
+    live[0:3] = live[7:9] = True
+    for got, want in zip((out, *rec), (cpu_out, *cpu_rec)):
+        assert got[~live].isnan().all(), "padding or outside tokens were written"
+        assert rel_err(got[live], want[live]) < (1e-5 if act_dtype == torch.float32 else 2e-3)
+    for b, s in [(0, 0), (3, 5)]:
+        bos, eos = int(qsl[b]), int(qsl[b + 1])
+        ref = reference.gdn_native_step(*inp.window(bos, eos), pool[s], dtype=torch.float64)
+        assert rel_err(rec.u[bos:eos], ref.u) < 1e-5
+
+
+def test_commit_kernel_every_count_is_the_snapshot_state():
+    W, HV, H, K, V = 4, 4, 2, 16, 24
+    lengths, srcs = [W, W, 2], [1, 0, 4]
+    qsl = qsl_from_lengths(lengths, "cpu")
+    src = i32(srcs, "cpu")
+    inp = gdn_inputs(int(qsl[-1]), H, HV, K, V, "cpu")
+    pool = random_pool(16, HV, K, V, "cpu")
+    pool[8:] = NAN
+    _, rec = _triton_verify(inp, pool, src, qsl)
+    snaps = _triton_native(inp, pool, src, qsl)
+    for trial in range(W + 1):
+        counts = [min((b + trial) % (W + 1), lengths[b]) for b in range(3)]
+        work = pool.clone()
+        dst = i32([8, 9, 4], "cpu")  # rows 0, 1 keep their checkpoint; row 2 in place
+        bidx = i32([[10, 11], [12, -1], [13, 14]], "cpu")
+        boff = i32([[1, 3], [W, 1], [2, 0]], "cpu")
+        launch_gdn_commit(work, *rec, qsl, src, i32(counts, "cpu"), dst, bidx, boff)
+        written = set()
+        for b in range(3):
+            n, base = counts[b], int(qsl[b])
+            if n:
+                assert torch.equal(work[int(dst[b])], snaps[base + n - 1]), (trial, b)
+                ref = reference.gdn_native_step(*inp.window(base, base + n), pool[srcs[b]],
+                                                dtype=torch.float64).states[-1]
+                assert rel_err(work[int(dst[b])], ref) < 1e-5
+                written.add(int(dst[b]))
+            for j in range(2):
+                off, idx = int(boff[b, j]), int(bidx[b, j])
+                if idx >= 0 and 1 <= off <= n:
+                    assert torch.equal(work[idx], snaps[base + off - 1])
+                    written.add(idx)
+        for slot in range(16):
+            if slot not in written:
+                assert same_bits(work[slot], pool[slot]), (trial, slot)
+
+
+def test_grouped_commit_kernel_and_wild_metadata():
+    NL, W, HV, H, K, V = 2, 3, 2, 1, 8, 8
+    qsl = qsl_from_lengths([W, W], "cpu")
+    src = i32([0, 1], "cpu")
+    pools, recs = [], []
+    for layer in range(NL):
+        inp = gdn_inputs(2 * W, H, HV, K, V, "cpu", gen=torch.Generator().manual_seed(layer))
+        pool = random_pool(5, HV, K, V, "cpu", gen=torch.Generator().manual_seed(9 + layer))
+        pools.append(pool)
+        recs.append(_triton_verify(inp, pool, src, qsl)[1])
+    grouped = torch.stack(pools)
+    record = [torch.stack(x) for x in zip(*recs)]
+    # wild metadata (never validated): count 7 clamps to 3, query_start_loc 40 clamps to T,
+    # slot 50 skipped, boundary -9 skipped
+    launch_gdn_commit(grouped, *record, i32([0, 3, 40], "cpu"), i32([0, 1, 50], "cpu"),
+                      i32([7, 2, 1], "cpu"), i32([2, 3, 1], "cpu"), i32([[-9], [4], [4]], "cpu"),
+                      i32([[1], [1], [1]], "cpu"))
+    for layer in range(NL):
+        single = pools[layer].clone()
+        bi, bo = i32([[-1], [4]], "cpu"), i32([[1], [1]], "cpu")
+        launch_gdn_commit(single, *recs[layer], qsl, src, i32([3, 2], "cpu"), i32([2, 3], "cpu"), bi, bo)
+        assert same_bits(grouped[layer], single)
+
+
+@pytest.mark.parametrize("ks,dil,bias,act", [(4, 1, True, "silu"), (3, 2, False, "none"), (2, 4, True, "silu")])
+def test_short_conv_kernels(ks, dil, bias, act):
+    C, S, W = 20, 8, 5
+    lc = (ks - 1) * dil
+    lengths, srcs = [W, 2, W, 0], [0, 3, -1, 5]
+    qsl = qsl_from_lengths(lengths, "cpu")
+    src = i32(srcs, "cpu")
+    T = int(qsl[-1])
+    x = torch.randn(T, 2 * C)[:, ::2]
+    w = torch.randn(C, ks)
+    b = torch.randn(C) if bias else None
+    state = torch.randn(S, lc, C)
+    before = state.clone()
+    out = torch.full((T, C), NAN)
+    rec_x = torch.full((T, C), NAN)
+    launch_short_conv_verify(x, w, b, state, src, qsl, out, rec_x, dil, act)
+    assert same_bits(state, before)
+    cpu_out, cpu_rec = ops.short_conv_verify(x, w, b, state, src, qsl, dilation=dil, activation=act)
+    live = torch.ones(T, dtype=torch.bool)
+    live[7:12] = False  # the padding row
+    assert out[~live].isnan().all() and rec_x[~live].isnan().all()
+    assert rel_err(out[live], cpu_out[live]) < 1e-6
+    assert torch.equal(rec_x[live], cpu_rec[live])
+    for trial in range(W + 1):
+        counts = i32([min((r + trial) % (W + 1), lengths[r]) for r in range(4)], "cpu")
+        bidx, boff = i32([[6, 7], [-1, 1], [2, 2], [4, 4]], "cpu"), i32([[1, 4], [2, 1], [1, 1], [1, 1]], "cpu")
+        dst = i32([0, 2, -1, 5], "cpu")  # row 0 in place (overlapping shift)
+        got, want = state.clone(), state.clone()
+        launch_short_conv_commit(got, rec_x, qsl, src, counts, dst, bidx, boff)
+        ops.short_conv_commit(want, cpu_rec, qsl, src, counts, dst, bidx, boff, validate=False)
+        assert same_bits(got, want), trial
+        grouped = torch.stack([state, state])
+        launch_short_conv_commit(grouped, torch.stack([rec_x, rec_x]), qsl, src, counts, dst, bidx, boff)
+        assert same_bits(grouped[0], want) and same_bits(grouped[1], want)
+
+
+def test_no_boundaries_helper_shape():
+    bi, bo = no_boundaries(3, "cpu")
+    assert bi.shape == (3, 0) and bo.dtype == torch.int32
