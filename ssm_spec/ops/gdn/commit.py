@@ -61,17 +61,21 @@ def gdn_commit_kernel(
         layer = state_ptr + i_l * s_sl
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         b_h = tl.load(layer + src * s_ss + tile, mask=m_h, other=0).to(tl.float32)
-        for t in range(0, n):
+        t = 0
+        while t < n:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
             tok = (bos + t).to(tl.int64)
             b_k = tl.load(rk_ptr + i_l * s_rkl + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
             b_u = tl.load(ru_ptr + i_l * s_rul + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
             b_d = tl.load(rd_ptr + i_l * s_rdl + tok * s_rdt + i_hv * s_rdh)
             b_h = gdn_apply(gdn_decay(b_h, b_d), b_k, b_u)
-            for j in range(0, NBD):
+            j = 0
+            while j < NBD:
                 off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)
                 bidx = tl.load(bidx_ptr + i_b * s_bib + j * s_bij).to(tl.int64)
                 if (off == t + 1) & (bidx >= 0) & (bidx < S):
                     tl.store(layer + bidx * s_ss + tile, b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+                j += 1
+            t += 1
         dst = tl.load(dst_ptr + i_b * s_dst).to(tl.int64)
         if (dst >= 0) & (dst < S):
             tl.store(layer + dst * s_ss + tile, b_h.to(state_ptr.dtype.element_ty), mask=m_h)

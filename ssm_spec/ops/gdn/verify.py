@@ -44,22 +44,27 @@ class ReplayRecord(NamedTuple):
 # ----------------------------------------------------------------------------- Triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "store_record", "store_snapshots"])
 def gdn_window_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     state_ptr, src_ptr, qsl_ptr, snap_ptr,
     out_ptr, ru_ptr, rk_ptr, rd_ptr,
-    scale, T, S,
+    scale, T, S, store_record, store_snapshots,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
     s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
     s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    STORE_RECORD: tl.constexpr, STORE_SNAPSHOTS: tl.constexpr,
 ):
     """One program per (V tile, row x value head): the state tile stays in registers across
-    the row's window. ``STORE_RECORD``: write the replay record (verify). ``STORE_SNAPSHOTS``:
-    write the state after each token into ``snap_ptr[t]`` (the native path)."""
+    the row's window. ``store_record``: write the replay record (verify). ``store_snapshots``:
+    write the state after each token into ``snap_ptr[t]`` (the native path).
+
+    The two modes are *runtime* flags, not constexprs, and are excluded from specialization
+    (with ``S``): verify and snapshot then run one compiled binary, so the layout Triton picks
+    for the state tile, and with it the order of the K reduction that yields ``u``, is the
+    same for both. Constexpr modes compiled two binaries whose reductions differed in the
+    last bit on the H200 (K=16, V=32)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -79,7 +84,8 @@ def gdn_window_kernel(
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
         write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-        for t in range(bos, eos):
+        t = bos
+        while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
             b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=m_k, other=0).to(tl.float32)
             b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=m_k, other=0).to(tl.float32)
             b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=m_v, other=0).to(tl.float32)
@@ -97,17 +103,18 @@ def gdn_window_kernel(
             b_o = tl.sum(b_h * b_q[:, None], axis=0)
             tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
                      b_o.to(out_ptr.dtype.element_ty), mask=m_v)
-            if STORE_RECORD:
+            if store_record != 0:
                 tl.store(ru_ptr + t * s_rut + i_hv * s_ruh + o_v * s_ruv, b_u, mask=m_v)
                 if i_v == 0:
                     tl.store(rd_ptr + t * s_rdt + i_hv * s_rdh, b_d)
                 if write_k:
                     tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
-            if STORE_SNAPSHOTS:
+            if store_snapshots != 0:
                 snap = tl.load(snap_ptr + t * s_snap).to(tl.int64)
                 if (snap >= 0) & (snap < S):
                     tl.store(state_ptr + snap * s_ss + tile,
                              b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+            t += 1
 
 
 def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
@@ -122,21 +129,29 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
     HV, V = v.shape[1], v.shape[2]
     B = src_indices.shape[0]
     BK, BV, num_warps = config or gdn_tile_config(K, V)
-    store_record = record is not None
-    store_snap = snapshot_indices is not None
-    ru, rk, rd = record if store_record else (out, q, g)  # dummies, never touched
-    snap = snapshot_indices if store_snap else src_indices
-    grid = (triton.cdiv(V, BV), B * HV)
     if B == 0:
         return
+    # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
+    # strides of contiguous records / indices), so both modes share one specialization.
+    if record is not None:
+        ru, rk, rd = record
+        rec_strides = (*ru.stride(), *rk.stride(), *rd.stride())
+    else:
+        ru = rk = rd = g  # an fp32 pointer; never written when store_record == 0
+        rec_strides = (HV * V, V, 1, H * K, K, 1, HV, 1)
+    if snapshot_indices is not None:
+        snap, snap_stride = snapshot_indices, snapshot_indices.stride(0)
+    else:
+        snap, snap_stride = src_indices, 1
+    grid = (triton.cdiv(V, BV), B * HV)
     gdn_window_kernel[grid](
         q, k, v, g, beta, state, src_indices, query_start_loc, snap, out, ru, rk, rd,
-        float(scale), T, state.shape[0],
+        float(scale), T, state.shape[0], int(record is not None), int(snapshot_indices is not None),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap.stride(0),
-        *out.stride(), *ru.stride(), *rk.stride(), *rd.stride(),
+        *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
+        *out.stride(), *rec_strides,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
-        STORE_RECORD=store_record, STORE_SNAPSHOTS=store_snap, num_warps=num_warps,
+        num_warps=num_warps,
     )
 
 

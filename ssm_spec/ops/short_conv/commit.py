@@ -62,12 +62,14 @@ def short_conv_commit_kernel(
         rx = rx_ptr + i_l * s_rxl
         tile = o_l[:, None] * s_csj + o_c[None, :] * s_csc
         b_s = tl.load(layer + src * s_css + tile, mask=m_t, other=0).to(tl.float32)
-        for j in range(0, NBD):
+        j = 0
+        while j < NBD:  # a while loop: Triton 3.6's interpreter cannot range() over scalar args
             off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)
             bidx = tl.load(bidx_ptr + i_b * s_bib + j * s_bij).to(tl.int64)
             if (off >= 1) & (off <= n) & (bidx >= 0) & (bidx < S):
                 b_o = _shifted_state(b_s, rx, bos, off, o_l, o_c, m_c, s_rt, s_rc, LC, BL, BC)
                 tl.store(layer + bidx * s_css + tile, b_o.to(cs_ptr.dtype.element_ty), mask=m_t)
+            j += 1
         dst = tl.load(dst_ptr + i_b * s_dst).to(tl.int64)
         if (dst >= 0) & (dst < S):
             b_o = _shifted_state(b_s, rx, bos, n, o_l, o_c, m_c, s_rt, s_rc, LC, BL, BC)

@@ -54,7 +54,8 @@ def short_conv_verify_kernel(
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
         p_state = cs_ptr + slot * s_cs + o_c * s_cc
-        for t in range(bos, eos):
+        t = bos
+        while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
             if HAS_BIAS:
                 acc = tl.load(bias_ptr + o_c * s_bias, mask=m_c, other=0).to(tl.float32)
             else:
@@ -73,6 +74,7 @@ def short_conv_verify_kernel(
             x_t = tl.load(x_ptr + t * s_xt + o_c * s_xc, mask=m_c, other=0).to(tl.float32)
             tl.store(out_ptr + t * s_ot + o_c * s_oc, acc.to(out_ptr.dtype.element_ty), mask=m_c)
             tl.store(rx_ptr + t * s_rt + o_c * s_rc, x_t, mask=m_c)
+            t += 1
 
 
 def launch_short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_loc, out,
