@@ -21,7 +21,7 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
-from .inner import gdn_apply, gdn_decay, gdn_tile_config
+from .inner import gdn_apply, gdn_decay, gdn_tile_config, use_ptx
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -34,7 +34,7 @@ def gdn_commit_kernel(
     s_rul, s_rut, s_ruh, s_ruv, s_rkl, s_rkt, s_rkh, s_rkk, s_rdl, s_rdt, s_rdh,
     s_qsl, s_src, s_n, s_dst, s_bib, s_bij, s_bob, s_boj,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_PTX: tl.constexpr,
 ):
     """One program per (V tile, row x value head, layer). Reads its whole source tile, replays
     ``n`` recorded tokens, writes boundary states as their offsets pass and the destination
@@ -67,7 +67,7 @@ def gdn_commit_kernel(
             b_k = tl.load(rk_ptr + i_l * s_rkl + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
             b_u = tl.load(ru_ptr + i_l * s_rul + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
             b_d = tl.load(rd_ptr + i_l * s_rdl + tok * s_rdt + i_hv * s_rdh)
-            b_h = gdn_apply(gdn_decay(b_h, b_d), b_k, b_u)
+            b_h = gdn_apply(gdn_decay(b_h, b_d, USE_PTX), b_k, b_u, USE_PTX)
             j = 0
             while j < NBD:
                 off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)
@@ -109,7 +109,7 @@ def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indic
         *state.stride(), *rec_u.stride(), *rec_k.stride(), *rec_decay.stride(),
         query_start_loc.stride(0), src_indices.stride(0), num_accepted_tokens.stride(0),
         dst_indices.stride(0), *boundary_indices.stride(), *boundary_offsets.stride(),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, num_warps=num_warps,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_PTX=use_ptx(), num_warps=num_warps,
     )
 
 

@@ -4,10 +4,20 @@ Bit identity between commit and the native per-token state (DESIGN.md section 2)
 because all three kernels build the state with *these* functions, on tiles of the same shape
 and ``num_warps`` (the order of the K reduction that produces ``u`` depends on them). Change
 the tile configuration only here, for all three at once.
+
+On CUDA the two state operations are written as PTX (``mul.rn.f32`` and ``fma.rn.f32``), which
+neither LLVM nor ptxas may contract or reorder. Written as ``b_h * b_d`` and ``tl.fma``, the
+compiled verify kernel (where ``P`` also feeds the reduction) rounded differently from the
+commit kernel in about 5 % of the elements for some tile shapes on the H200 (K=16 or 32),
+while K=64 happened to agree: the compiler, not the source, decided. ``USE_PTX`` is off
+under ``TRITON_INTERPRET=1`` (the interpreter runs no PTX), where plain operations are exact.
 """
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -22,9 +32,14 @@ def l2_normalize(x):
 
 
 @triton.jit
-def gdn_decay(b_h, b_d):
-    """``P = S * d`` for a ``[BK, BV]`` fp32 state tile and a scalar decay."""
-    return b_h * b_d
+def gdn_decay(b_h, b_d, USE_PTX: tl.constexpr):
+    """``P = S * d`` for a ``[BK, BV]`` fp32 state tile and a scalar decay, rounded once."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [b_h, tl.broadcast_to(b_d, b_h.shape)],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return b_h * b_d
 
 
 @triton.jit
@@ -34,9 +49,20 @@ def gdn_correction(b_p, b_k, b_v, b_beta):
 
 
 @triton.jit
-def gdn_apply(b_p, b_k, b_u):
+def gdn_apply(b_p, b_k, b_u, USE_PTX: tl.constexpr):
     """``S = fma(k̂, u, P)`` elementwise: ``S[i, j] = k̂[i] * u[j] + P[i, j]``, one rounding."""
-    return tl.fma(b_k[:, None], b_u[None, :], b_p)
+    if USE_PTX:
+        return tl.inline_asm_elementwise(
+            "fma.rn.f32 $0, $1, $2, $3;", "=r,r,r,r",
+            [tl.broadcast_to(b_k[:, None], b_p.shape), tl.broadcast_to(b_u[None, :], b_p.shape), b_p],
+            dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.fma(b_k[:, None], b_u[None, :], b_p)
+
+
+def use_ptx() -> bool:
+    """Whether the kernels may use PTX inline assembly (not under the Triton interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
 
 
 def next_power_of_2(n: int) -> int:

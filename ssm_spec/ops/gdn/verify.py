@@ -23,7 +23,7 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
-from .inner import gdn_apply, gdn_correction, gdn_decay, gdn_tile_config, l2_normalize
+from .inner import gdn_apply, gdn_correction, gdn_decay, gdn_tile_config, l2_normalize, use_ptx
 
 
 class ReplayRecord(NamedTuple):
@@ -54,7 +54,7 @@ def gdn_window_kernel(
     s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
     s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr,
 ):
     """One program per (V tile, row x value head): the state tile stays in registers across
     the row's window. ``store_record``: write the replay record (verify). ``store_snapshots``:
@@ -97,9 +97,9 @@ def gdn_window_kernel(
             else:
                 b_q = b_q * scale
             b_d = tl.exp(b_g)
-            b_p = gdn_decay(b_h, b_d)
+            b_p = gdn_decay(b_h, b_d, USE_PTX)
             b_u = gdn_correction(b_p, b_k, b_v, b_beta)
-            b_h = gdn_apply(b_p, b_k, b_u)
+            b_h = gdn_apply(b_p, b_k, b_u, USE_PTX)
             b_o = tl.sum(b_h * b_q[:, None], axis=0)
             tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
                      b_o.to(out_ptr.dtype.element_ty), mask=m_v)
@@ -151,7 +151,7 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
         *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
         *out.stride(), *rec_strides,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
-        num_warps=num_warps,
+        USE_PTX=use_ptx(), num_warps=num_warps,
     )
 
 
