@@ -254,3 +254,26 @@ def test_commit_is_deterministic_on_gpu():
         if first is None:
             first = work
         assert torch.equal(work, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_commit_is_the_native_state_at_model_width(state_dtype):
+    """Qwen3-Next widths (H=16, HV=32, K=V=128), ragged windows, every count."""
+    device = torch.device("cuda")
+    W = 4
+    lengths = [W, 1, 3, W, W, 2, W, 0]
+    srcs = [0, 1, 2, 3, -1, 5, 6, 7]
+    inp, pool, qsl, src = _setup(device, (32, 16, 128, 128), lengths, srcs, S=8,
+                                 act_dtype=torch.bfloat16, state_dtype=state_dtype, seed=11)
+    _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    _, snaps = native_states(inp, pool, src, qsl)
+    for trial in range(W + 1):
+        counts = [min((b + trial) % (W + 1), lengths[b]) for b in range(len(srcs))]
+        work = pool.clone()
+        ops.gdn_commit(work, rec, qsl, src, i32(counts, device))
+        for b, s in enumerate(srcs):
+            if s >= 0:
+                want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
+                assert torch.equal(work[s], want), (trial, b)

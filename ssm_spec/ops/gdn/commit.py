@@ -67,7 +67,7 @@ def gdn_commit_kernel(
             b_k = tl.load(rk_ptr + i_l * s_rkl + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
             b_u = tl.load(ru_ptr + i_l * s_rul + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
             b_d = tl.load(rd_ptr + i_l * s_rdl + tok * s_rdt + i_hv * s_rdh)
-            b_h = gdn_apply(gdn_decay(b_h, b_d, USE_PTX), b_k, b_u, USE_PTX)
+            b_h = gdn_apply(gdn_decay(b_h, b_d, USE_PTX), tl.broadcast_to(b_k[:, None], (BK, BV)), b_u, USE_PTX)
             j = 0
             while j < NBD:
                 off = tl.load(boff_ptr + i_b * s_bob + j * s_boj)

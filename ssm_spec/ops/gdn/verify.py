@@ -23,7 +23,16 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
-from .inner import gdn_apply, gdn_correction, gdn_decay, gdn_tile_config, l2_normalize, use_ptx
+from .inner import (
+    gdn_apply,
+    gdn_correction,
+    gdn_decay,
+    gdn_tile_config,
+    l2_normalize,
+    l2_normalize_tile,
+    pin,
+    use_ptx,
+)
 
 
 class ReplayRecord(NamedTuple):
@@ -91,14 +100,16 @@ def gdn_window_kernel(
             b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=m_v, other=0).to(tl.float32)
             b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh).to(tl.float32)
             b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh).to(tl.float32)
+            b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # the key as a state-shaped tile
             if USE_QK_L2NORM:
-                b_k = l2_normalize(b_k)
+                b_k = l2_normalize_tile(b_k)
                 b_q = l2_normalize(b_q) * scale
             else:
                 b_q = b_q * scale
+            b_k = pin(b_k, USE_PTX)  # the recorded k̂ is the one the update uses
             b_d = tl.exp(b_g)
             b_p = gdn_decay(b_h, b_d, USE_PTX)
-            b_u = gdn_correction(b_p, b_k, b_v, b_beta)
+            b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta), USE_PTX)
             b_h = gdn_apply(b_p, b_k, b_u, USE_PTX)
             b_o = tl.sum(b_h * b_q[:, None], axis=0)
             tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
@@ -107,8 +118,9 @@ def gdn_window_kernel(
                 tl.store(ru_ptr + t * s_rut + i_hv * s_ruh + o_v * s_ruv, b_u, mask=m_v)
                 if i_v == 0:
                     tl.store(rd_ptr + t * s_rdt + i_hv * s_rdh, b_d)
-                if write_k:
-                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
+                if write_k:  # column 0 of the k̂ tile
+                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k[:, None] * s_rkk + 0 * o_v[None, :],
+                             b_k, mask=m_k[:, None] & (tl.arange(0, BV) == 0)[None, :])
             if store_snapshots != 0:
                 snap = tl.load(snap_ptr + t * s_snap).to(tl.int64)
                 if (snap >= 0) & (snap < S):
