@@ -29,7 +29,7 @@ from .inner import (
     gdn_decay,
     gdn_tile_config,
     l2_normalize,
-    l2_normalize_tile,
+    l2_normalize_key,
     pin,
     use_ptx,
 )
@@ -100,13 +100,13 @@ def gdn_window_kernel(
             b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=m_v, other=0).to(tl.float32)
             b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh).to(tl.float32)
             b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh).to(tl.float32)
-            b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # the key as a state-shaped tile
             if USE_QK_L2NORM:
-                b_k = l2_normalize_tile(b_k)
+                b_k = l2_normalize_key(b_k, BK, BV)
+            b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # k̂ as a state-shaped tile
+            if USE_QK_L2NORM:
                 b_q = l2_normalize(b_q) * scale
             else:
                 b_q = b_q * scale
-            b_k = pin(b_k, USE_PTX)  # the recorded k̂ is the one the update uses
             b_d = tl.exp(b_g)
             b_p = gdn_decay(b_h, b_d, USE_PTX)
             b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta), USE_PTX)
