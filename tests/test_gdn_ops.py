@@ -277,3 +277,19 @@ def test_commit_is_the_native_state_at_model_width(state_dtype):
             if s >= 0:
                 want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
                 assert torch.equal(work[s], want), (trial, b)
+
+
+def test_commit_noncontiguous_metadata(device):
+    W = 4
+    lengths, srcs = [W, 3], [2, 5]
+    inp, pool, qsl, src = _setup(device, SHAPES[0], lengths, srcs, S=12)
+    _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    meta = i32([[2, 3, 9, 10, 1], [5, 2, 11, -1, 2]], device)  # src, n, dst, boundary, offset
+    got = pool.clone()
+    ops.gdn_commit(got, rec, torch.stack([qsl, qsl], 1)[:, 1], meta[:, 0], meta[:, 1], meta[:, 2],
+                   meta[:, 3:4], meta[:, 4:5])
+    want = pool.clone()
+    ops.gdn_commit(want, rec, qsl, src, i32([3, 2], device), i32([9, 11], device),
+                   i32([[10], [-1]], device), i32([[1], [2]], device))
+    assert torch.equal(got, want)
+    assert not torch.equal(want[9], pool[9])  # something was committed

@@ -110,3 +110,21 @@ def test_commit_boundaries_dst_and_grouped(device):
         for slot in range(20):
             if slot not in written:
                 assert same_bits(grouped[layer, slot], before[layer, slot]), slot
+
+
+def test_noncontiguous_indices_and_counts(device):
+    """Slots, windows and counts as strided columns of 2-D tables (as engines keep them)."""
+    W, ks, dil = 4, 3, 2
+    lengths, srcs = [W, 2, W], [4, 0, 7]
+    x, w, b, state, qsl, src = _setup(device, 10, ks, dil, lengths, srcs)
+    table = torch.stack([src, src + 1], 1)[:, 0]
+    qsl_s = torch.stack([qsl, qsl], 1)[:, 0]
+    counts = i32([[3, 0], [2, 0], [0, 0]], device)[:, 0]
+    assert not (table.is_contiguous() or qsl_s.is_contiguous() or counts.is_contiguous())
+    out, rec_x = ops.short_conv_verify(x, w, b, state, table, qsl_s, dilation=dil)
+    ref_out, ref_rec = ops.short_conv_verify(x, w, b, state, src, qsl, dilation=dil)
+    assert torch.equal(out[: int(qsl[-1])], ref_out[: int(qsl[-1])])
+    got, want = state.clone(), state.clone()
+    ops.short_conv_commit(got, rec_x, qsl_s, table, counts)
+    ops.short_conv_commit(want, ref_rec, qsl, src, counts.contiguous())
+    assert same_bits(got, want)
