@@ -1,5 +1,6 @@
 """Diagnose commit vs snapshot bit identity on the GPU (development aid)."""
 import torch
+
 from ssm_spec import ops
 from ssm_spec.ops.gdn.verify import gdn_window_kernel
 from tests.helpers import gdn_inputs, i32, random_pool
@@ -41,6 +42,7 @@ except Exception as ex:
 # Same-run check: one launch with records AND snapshots on; are its snapshots consistent
 # with its own records?
 from ssm_spec.ops.gdn.verify import launch_gdn_window
+
 for (HV, H, K, V) in [(4, 2, 16, 32), (4, 2, 32, 32)]:
     dev = "cuda"
     W = 4

@@ -26,6 +26,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
+def rotating_counts(trial: int, lengths, W: int) -> list[int]:
+    """Accepted counts for one trial: over trials ``0..W`` every row sees every count
+    ``0..W`` (capped at its window), and rows differ within a trial."""
+    return [min((b + trial) % (W + 1), n) for b, n in enumerate(lengths)]
+
+
 def qsl_from_lengths(lengths, device) -> torch.Tensor:
     qsl = [0]
     for n in lengths:

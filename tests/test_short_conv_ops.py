@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ssm_spec import ops, reference
-from tests.helpers import i32, qsl_from_lengths, rel_err, same_bits
+from tests.helpers import i32, qsl_from_lengths, rel_err, rotating_counts, same_bits
 
 
 def _setup(device, C, ks, dil, lengths, srcs, S=12, dtype=torch.float32, state_dtype=None, seed=0,
@@ -63,7 +63,7 @@ def test_commit_every_count_and_in_place_shift(device, ks, dil, state_dtype):
                                       dtype=torch.float32 if state_dtype == torch.float32 else torch.bfloat16)
     _, rec_x = ops.short_conv_verify(x, w, b, state, src, qsl, dilation=dil)
     for trial in range(W + 1):
-        counts = [min((row + trial) % (W + 1), lengths[row]) for row in range(len(srcs))]
+        counts = rotating_counts(trial, lengths, W)
         work = state.clone()  # dst == src: an in-place shift whose ranges overlap
         ops.short_conv_commit(work, rec_x, qsl, src, i32(counts, device))
         for row, s in enumerate(srcs):

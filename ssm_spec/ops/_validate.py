@@ -135,3 +135,63 @@ def check_write_conflicts(op: str, reads: dict[int, int], writes: list[tuple[int
         others = [r for r in readers.get(slot, ()) if r != row]
         if others:
             fail(op, arg, f"slot {slot}", f"not the source slot of another row (row {others[0]} reads it)")
+
+
+# ----------------------------------------------------------------------------- commits
+
+
+def check_commit_metadata(op, device, query_start_loc, src_indices, num_accepted_tokens,
+                          dst_indices, boundary_indices, boundary_offsets) -> None:
+    """Structural checks of a commit's per-row metadata (shared by both commits)."""
+    check_index(op, "query_start_loc", query_start_loc, None, device)
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
+    check_index(op, "src_indices", src_indices, B, device)
+    check_index(op, "num_accepted_tokens", num_accepted_tokens, B, device)
+    check_index(op, "dst_indices", dst_indices, B, device)
+    check_index(op, "boundary_indices", boundary_indices, B, device, ndim=2)
+    check_index(op, "boundary_offsets", boundary_offsets, B, device, ndim=2)
+    if boundary_offsets.shape != boundary_indices.shape:
+        raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
+                         f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
+
+
+def no_boundaries(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``[B, 0]`` int32 boundary index and offset tensors."""
+    empty = torch.empty((batch, 0), dtype=torch.int32, device=device)
+    return empty, empty
+
+
+def commit_defaults(op, src_indices, dst_indices, boundary_indices, boundary_offsets):
+    """Fill the commit wrappers' defaults: ``dst = src`` and no boundaries."""
+    if not isinstance(src_indices, torch.Tensor):
+        fail(op, "src_indices", type(src_indices).__name__, "a torch.Tensor")
+    if dst_indices is None:
+        dst_indices = src_indices
+    if boundary_indices is None and boundary_offsets is None:
+        boundary_indices, boundary_offsets = no_boundaries(src_indices.shape[0], src_indices.device)
+    elif boundary_indices is None or boundary_offsets is None:
+        raise ValueError(f"{op}: boundary_indices and boundary_offsets: got only one of them; "
+                         "expected both or neither")
+    return dst_indices, boundary_indices, boundary_offsets
+
+
+def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
+                        num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
+    """Value checks shared by the GDN and short-conv commits (host sync)."""
+    windows = window_bounds(op, query_start_loc, num_tokens)
+    srcs = slot_values(op, "src_indices", src_indices, num_slots)
+    counts = count_values(op, num_accepted_tokens, windows)
+    dsts = slot_values(op, "dst_indices", dst_indices, num_slots)
+    bidx = slot_values(op, "boundary_indices", boundary_indices, num_slots)
+    boff = boundary_offsets.tolist()
+    reads = {b: s for b, s in enumerate(srcs) if s >= 0 and counts[b] > 0}
+    writes = []
+    for b in reads:
+        for j, (idx, off) in enumerate(zip(bidx[b], boff[b])):
+            if idx >= 0 and 1 <= off <= counts[b]:
+                writes.append((b, idx, f"boundary_indices[{b}, {j}]"))
+        if dsts[b] >= 0:
+            writes.append((b, dsts[b], f"dst_indices[{b}]"))
+    check_write_conflicts(op, reads, writes)

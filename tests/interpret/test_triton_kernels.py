@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ssm_spec import ops, reference
-from ssm_spec.ops.gdn.commit import launch_gdn_commit, no_boundaries
+from ssm_spec.ops._validate import no_boundaries
+from ssm_spec.ops.gdn.commit import launch_gdn_commit
 from ssm_spec.ops.gdn.verify import launch_gdn_window
 from ssm_spec.ops.short_conv.commit import launch_short_conv_commit
 from ssm_spec.ops.short_conv.verify import launch_short_conv_verify
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, rel_err, same_bits
+from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, rel_err, rotating_counts, same_bits
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 set before import"
 NAN = float("nan")
@@ -75,7 +76,7 @@ def test_commit_kernel_every_count_is_the_snapshot_state():
     _, rec = _triton_verify(inp, pool, src, qsl)
     snaps = _triton_native(inp, pool, src, qsl)
     for trial in range(W + 1):
-        counts = [min((b + trial) % (W + 1), lengths[b]) for b in range(3)]
+        counts = rotating_counts(trial, lengths, W)
         work = pool.clone()
         dst = i32([8, 9, 4], "cpu")  # rows 0, 1 keep their checkpoint; row 2 in place
         bidx = i32([[10, 11], [12, -1], [13, 14]], "cpu")
@@ -148,7 +149,7 @@ def test_short_conv_kernels(ks, dil, bias, act):
     assert rel_err(out[live], cpu_out[live]) < 1e-6
     assert torch.equal(rec_x[live], cpu_rec[live])
     for trial in range(W + 1):
-        counts = i32([min((r + trial) % (W + 1), lengths[r]) for r in range(4)], "cpu")
+        counts = i32(rotating_counts(trial, lengths, W), "cpu")
         bidx, boff = i32([[6, 7], [-1, 1], [2, 2], [4, 4]], "cpu"), i32([[1, 4], [2, 1], [1, 1], [1, 1]], "cpu")
         dst = i32([0, 2, -1, 5], "cpu")  # row 0 in place (overlapping shift)
         got, want = state.clone(), state.clone()

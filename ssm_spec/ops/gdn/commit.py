@@ -13,14 +13,13 @@ import triton.language as tl
 from ... import reference
 from .._validate import (
     STATE_DTYPES,
-    check_index,
+    check_commit_metadata,
+    check_commit_values,
     check_tensor,
-    check_write_conflicts,
-    count_values,
+    commit_defaults,
     should_validate,
-    slot_values,
-    window_bounds,
 )
+from .._window import clamped_count, clamped_window, load_count, load_window
 from .inner import gdn_apply, gdn_decay, gdn_tile_config, use_ptx
 
 # ----------------------------------------------------------------------------- Triton
@@ -45,12 +44,8 @@ def gdn_commit_kernel(
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(qsl_ptr + i_b * s_qsl)
-    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
-    bos = tl.minimum(tl.maximum(bos, 0), T)
-    eos = tl.minimum(tl.maximum(eos, bos), T)
-    n = tl.load(n_ptr + i_b * s_n)
-    n = tl.minimum(tl.maximum(n, 0), eos - bos)
+    bos, eos = load_window(qsl_ptr, i_b, s_qsl, T)
+    n = load_count(n_ptr, i_b, s_n, eos - bos)
     src = tl.load(src_ptr + i_b * s_src).to(tl.int64)
     if (n > 0) & (src >= 0) & (src < S):
         o_k = tl.arange(0, BK)
@@ -129,9 +124,8 @@ def gdn_commit_cpu(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
     bidx = boundary_indices.tolist()
     boff = boundary_offsets.tolist()
     for b, src in enumerate(src_indices.tolist()):
-        bos = min(max(qsl[b], 0), T)
-        eos = min(max(qsl[b + 1], bos), T)
-        n = min(max(counts[b], 0), eos - bos)
+        bos, eos = clamped_window(qsl, b, T)
+        n = clamped_count(counts[b], bos, eos)
         if n == 0 or not 0 <= src < S:
             continue
         for layer in range(NL):
@@ -169,38 +163,8 @@ def check_gdn_commit_structure(state, rec_u, rec_k, rec_decay, query_start_loc, 
         raise ValueError(f"{op}: rec_k: got {H} key heads for {HV} value heads; expected HV % H == 0")
     check_tensor(op, "rec_k", rec_k, shape=(*lead, T, H, K))
     check_tensor(op, "rec_decay", rec_decay, shape=(*lead, T, HV), dtypes=(torch.float32,), device=dev)
-    check_index(op, "query_start_loc", query_start_loc, None, dev)
-    B = query_start_loc.shape[0] - 1
-    if B < 0:
-        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
-    check_index(op, "src_indices", src_indices, B, dev)
-    check_index(op, "num_accepted_tokens", num_accepted_tokens, B, dev)
-    check_index(op, "dst_indices", dst_indices, B, dev)
-    check_index(op, "boundary_indices", boundary_indices, B, dev, ndim=2)
-    check_index(op, "boundary_offsets", boundary_offsets, B, dev, ndim=2)
-    if boundary_offsets.shape != boundary_indices.shape:
-        raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
-                         f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
-
-
-def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
-                        num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
-    """Value checks shared by the GDN and short-conv commits (host sync)."""
-    windows = window_bounds(op, query_start_loc, num_tokens)
-    srcs = slot_values(op, "src_indices", src_indices, num_slots)
-    counts = count_values(op, num_accepted_tokens, windows)
-    dsts = slot_values(op, "dst_indices", dst_indices, num_slots)
-    bidx = slot_values(op, "boundary_indices", boundary_indices, num_slots)
-    boff = boundary_offsets.tolist()
-    reads = {b: s for b, s in enumerate(srcs) if s >= 0 and counts[b] > 0}
-    writes = []
-    for b in reads:
-        for j, (idx, off) in enumerate(zip(bidx[b], boff[b])):
-            if idx >= 0 and 1 <= off <= counts[b]:
-                writes.append((b, idx, f"boundary_indices[{b}, {j}]"))
-        if dsts[b] >= 0:
-            writes.append((b, dsts[b], f"dst_indices[{b}]"))
-    check_write_conflicts(op, reads, writes)
+    check_commit_metadata(op, dev, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+                          boundary_indices, boundary_offsets)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -233,12 +197,6 @@ def _gdn_commit_fake(*args, **kwargs):
 # ----------------------------------------------------------------------------- wrapper
 
 
-def no_boundaries(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``[B, 0]`` int32 boundary index and offset tensors."""
-    empty = torch.empty((batch, 0), dtype=torch.int32, device=device)
-    return empty, empty
-
-
 def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
                dst_indices=None, boundary_indices=None, boundary_offsets=None, validate=None):
     """Replay the first ``n`` recorded tokens of each window and write the state once.
@@ -266,14 +224,8 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
             outside ``0..window length``, two rows writing one slot, or a row writing another
             row's source slot. Nothing is written.
     """
-    B = src_indices.shape[0]
-    if dst_indices is None:
-        dst_indices = src_indices
-    if boundary_indices is None and boundary_offsets is None:
-        boundary_indices, boundary_offsets = no_boundaries(B, state.device)
-    elif boundary_indices is None or boundary_offsets is None:
-        raise ValueError("gdn_commit: boundary_indices and boundary_offsets: got only one of "
-                         "them; expected both or neither")
+    dst_indices, boundary_indices, boundary_offsets = commit_defaults(
+        "gdn_commit", src_indices, dst_indices, boundary_indices, boundary_offsets)
     args = (state, record.u, record.k, record.decay, query_start_loc, src_indices,
             num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets)
     if should_validate(validate):

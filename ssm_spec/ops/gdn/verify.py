@@ -23,6 +23,7 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
+from .._window import clamped_window, load_window
 from .inner import (
     gdn_apply,
     gdn_correction,
@@ -80,10 +81,7 @@ def gdn_window_kernel(
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     slot = tl.load(src_ptr + i_b * s_src).to(tl.int64)
-    bos = tl.load(qsl_ptr + i_b * s_qsl)
-    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
-    bos = tl.minimum(tl.maximum(bos, 0), T)
-    eos = tl.minimum(tl.maximum(eos, bos), T)
+    bos, eos = load_window(qsl_ptr, i_b, s_qsl, T)
     if (slot >= 0) & (slot < S):
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
@@ -178,8 +176,7 @@ def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapsh
     qsl = query_start_loc.tolist()
     snaps = snapshot_indices.tolist() if snapshot_indices is not None else None
     for b, slot in enumerate(src_indices.tolist()):
-        bos = min(max(qsl[b], 0), T)
-        eos = min(max(qsl[b + 1], bos), T)
+        bos, eos = clamped_window(qsl, b, T)
         if not 0 <= slot < S or eos == bos:
             continue
         res = reference.gdn_native_step(

@@ -11,8 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .._validate import FLOAT_DTYPES, check_index, check_tensor, should_validate
-from ..gdn.commit import check_commit_values, no_boundaries
+from .._validate import (
+    FLOAT_DTYPES,
+    check_commit_metadata,
+    check_commit_values,
+    check_tensor,
+    commit_defaults,
+    should_validate,
+)
+from .._window import clamped_count, clamped_window, load_count, load_window
 from ..gdn.inner import next_power_of_2
 from .verify import conv_block_c
 
@@ -46,12 +53,8 @@ def short_conv_commit_kernel(
     i_c = tl.program_id(0)
     i_b = tl.program_id(1)
     i_l = tl.program_id(2).to(tl.int64)
-    bos = tl.load(qsl_ptr + i_b * s_qsl)
-    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
-    bos = tl.minimum(tl.maximum(bos, 0), T)
-    eos = tl.minimum(tl.maximum(eos, bos), T)
-    n = tl.load(n_ptr + i_b * s_n)
-    n = tl.minimum(tl.maximum(n, 0), eos - bos)
+    bos, eos = load_window(qsl_ptr, i_b, s_qsl, T)
+    n = load_count(n_ptr, i_b, s_n, eos - bos)
     src = tl.load(src_ptr + i_b * s_src).to(tl.int64)
     if (n > 0) & (src >= 0) & (src < S):
         o_l = tl.arange(0, BL)
@@ -118,9 +121,8 @@ def short_conv_commit_cpu(conv_state, rec_x, query_start_loc, src_indices, num_a
     bidx = boundary_indices.tolist()
     boff = boundary_offsets.tolist()
     for b, src in enumerate(src_indices.tolist()):
-        bos = min(max(qsl[b], 0), T)
-        eos = min(max(qsl[b + 1], bos), T)
-        n = min(max(counts[b], 0), eos - bos)
+        bos, eos = clamped_window(qsl, b, T)
+        n = clamped_count(counts[b], bos, eos)
         if n == 0 or not 0 <= src < S or LC == 0:
             continue
         for layer in range(NL):
@@ -146,18 +148,8 @@ def check_short_conv_commit_structure(conv_state, rec_x, query_start_loc, src_in
     C = conv_state.shape[-1]
     check_tensor(op, "rec_x", rec_x, ndim=conv_state.dim() - 1, dtypes=(torch.float32,), device=dev)
     check_tensor(op, "rec_x", rec_x, shape=(*lead, None, C))
-    check_index(op, "query_start_loc", query_start_loc, None, dev)
-    B = query_start_loc.shape[0] - 1
-    if B < 0:
-        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
-    check_index(op, "src_indices", src_indices, B, dev)
-    check_index(op, "num_accepted_tokens", num_accepted_tokens, B, dev)
-    check_index(op, "dst_indices", dst_indices, B, dev)
-    check_index(op, "boundary_indices", boundary_indices, B, dev, ndim=2)
-    check_index(op, "boundary_offsets", boundary_offsets, B, dev, ndim=2)
-    if boundary_offsets.shape != boundary_indices.shape:
-        raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
-                         f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
+    check_commit_metadata(op, dev, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
+                          boundary_indices, boundary_offsets)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -207,14 +199,8 @@ def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accep
     Raises:
         ValueError: naming the argument, before anything is written.
     """
-    B = src_indices.shape[0]
-    if dst_indices is None:
-        dst_indices = src_indices
-    if boundary_indices is None and boundary_offsets is None:
-        boundary_indices, boundary_offsets = no_boundaries(B, conv_state.device)
-    elif boundary_indices is None or boundary_offsets is None:
-        raise ValueError("short_conv_commit: boundary_indices and boundary_offsets: got only one "
-                         "of them; expected both or neither")
+    dst_indices, boundary_indices, boundary_offsets = commit_defaults(
+        "short_conv_commit", src_indices, dst_indices, boundary_indices, boundary_offsets)
     args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
             boundary_indices, boundary_offsets)
     if should_validate(validate):

@@ -20,6 +20,7 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
+from .._window import clamped_window, load_window
 from ..gdn.inner import next_power_of_2
 
 ACTIVATIONS = ("silu", "none")
@@ -46,10 +47,7 @@ def short_conv_verify_kernel(
     i_c = tl.program_id(0)
     i_b = tl.program_id(1)
     slot = tl.load(idx_ptr + i_b * s_idx).to(tl.int64)
-    bos = tl.load(qsl_ptr + i_b * s_qsl)
-    eos = tl.load(qsl_ptr + (i_b + 1) * s_qsl)
-    bos = tl.minimum(tl.maximum(bos, 0), T)
-    eos = tl.minimum(tl.maximum(eos, bos), T)
+    bos, eos = load_window(qsl_ptr, i_b, s_qsl, T)
     if (slot >= 0) & (slot < S):
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
@@ -108,8 +106,7 @@ def short_conv_verify_cpu(x, weight, bias, conv_state, state_indices, query_star
     T, S = x.shape[0], conv_state.shape[0]
     qsl = query_start_loc.tolist()
     for b, slot in enumerate(state_indices.tolist()):
-        bos = min(max(qsl[b], 0), T)
-        eos = min(max(qsl[b + 1], bos), T)
+        bos, eos = clamped_window(qsl, b, T)
         if not 0 <= slot < S or eos == bos:
             continue
         res = reference.short_conv_native_step(x[bos:eos], weight, bias, conv_state[slot],
