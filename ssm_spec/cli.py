@@ -1,7 +1,7 @@
-"""The ``ssm-spec`` console script.
+"""The ssm-spec console script.
 
-``ssm-spec selfcheck [--seed N]``: run every op against the token-by-token reference on
-random data and print a table (exit status 1 if any check fails).
+ssm-spec selfcheck [--seed N]: run every op against the token-by-token reference on random
+data and print a table (exit status 1 if any check fails).
 """
 
 from __future__ import annotations

@@ -26,6 +26,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
 
 
+def fenced(pool: torch.Tensor, extra: int = 4):
+    """``(buffer, view)``: ``view`` holds ``pool``'s slots and is the first ``S`` slots of a
+    larger ``buffer`` whose extra slots are NaN, so an unguarded access past the pool shows."""
+    fence = torch.full((extra, *pool.shape[1:]), float("nan"), dtype=pool.dtype, device=pool.device)
+    buffer = torch.cat([pool, fence])
+    return buffer, buffer[: pool.shape[0]]
+
+
 def rotating_counts(trial: int, lengths, W: int) -> list[int]:
     """Accepted counts for one trial: over trials ``0..W`` every row sees every count
     ``0..W`` (capped at its window), and rows differ within a trial."""

@@ -97,7 +97,7 @@ def test_compile_validation_is_off_and_no_graph_break(device):
     out, _ = f(*inp.args(), pool, src, qsl)
     assert len(counts) == 1  # one graph: no break, no host read of the metadata
     ref, _ = ops.gdn_verify(*inp.args(), pool, src, qsl)
-    assert torch.equal(out[:3], ref[:3])
+    assert torch.equal(out, ref)  # every token of qsl [0, 3, 3, 7] is in a live window
 
 
 @pytest.mark.parametrize("op_name", ["gdn_verify", "gdn_commit", "gdn_snapshot_verify",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ssm_spec import ops
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
+from tests.helpers import fenced, gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
 
 HV, H, K, V, S = 4, 2, 8, 6, 6
 
@@ -132,29 +132,146 @@ def test_short_conv_verify_rejects(device, case):
 
 
 def test_unvalidated_out_of_range_metadata_is_skipped_or_clamped(gdn, device):
-    """Memory safety: slots >= S are skipped, counts and windows clamped (validate=False)."""
+    """Memory safety (validate=False): slots >= S are skipped, counts and windows clamped.
+    Every pool is the first S slots of a larger, NaN-fenced buffer, so a missing guard
+    writes into (or reads from) the fence and shows."""
     inp, pool, qsl, src, rec = gdn
     T = inp.q.shape[0]
-    work = pool.clone()
-    # row 0: count 9 clamps to its window of 3; row 1: source slot 99 is skipped;
-    # row 2: query_start_loc past T clamps to an empty window
-    wild_qsl = i32([0, 3, 6, 50], device)
-    ops.gdn_commit(work, rec, wild_qsl, i32([0, 99, 2], device), i32([9, 2, 4], device),
-                   i32([3, 1, 2], device), i32([[100, 4], [5, 5], [-7, 5]], device),
-                   i32([[1, 2], [1, 2], [1, 1]], device), validate=False)
+    big, work = fenced(pool)
+    # row 0: count 9 clamps to its window of 3, boundary 100 skipped; row 1: source slot 99
+    # skipped; row 2: query_start_loc past T clamps to an empty window; row 3: dst 50 skipped
+    wild_qsl = i32([0, 3, 6, 50, 50], device)
+    ops.gdn_commit(work, rec, wild_qsl, i32([0, 99, 2, 1], device), i32([9, 2, 4, 1], device),
+                   i32([3, 1, 2, 50], device), i32([[100, 4], [5, 5], [-7, 5], [5, 5]], device),
+                   i32([[1, 2], [1, 2], [1, 1], [1, 1]], device), validate=False)
     ref = pool.clone()
     ops.gdn_commit(ref, rec, qsl, i32([0, -1], device), i32([3, 0], device), i32([3, -1], device),
                    i32([[-1, 4], [-1, -1]], device), i32([[1, 2], [1, 2]], device))
-    assert same_bits(work, ref)
-    out, _ = ops.gdn_verify(*inp.args(), pool, i32([0, 77, 1], device), i32([0, 3, 4, 60], device),
+    assert same_bits(work, ref) and big[S:].isnan().all()
+
+    # verify: row 1's slot 77 is skipped (its tokens stay poisoned); row 2's window [4, 60)
+    # clamps to [4, T)
+    big, fenced_pool = fenced(pool)
+    out = torch.full((T, HV, V), float("nan"), device=device)
+    bufs = [torch.full(r.shape, float("nan"), device=device) for r in rec]
+    torch.ops.ssm_spec.gdn_verify(*inp.args(), fenced_pool, i32([0, 77, 1], device),
+                                  i32([0, 3, 4, 60], device), out, *bufs, K**-0.5, True)
+    want, want_rec = ops.gdn_verify(*inp.args(), pool, i32([0, -1, 1], device), i32([0, 3, 4, T], device))
+    assert out[3].isnan().all() and all(b[3].isnan().all() for b in bufs)
+    keep = [0, 1, 2, 4, 5]
+    assert same_bits(out[keep], want[keep])
+    assert all(same_bits(b[keep], w[keep]) for b, w in zip(bufs, want_rec))
+
+    # snapshot: snapshot slots >= S are not written
+    big, fenced_pool = fenced(pool)
+    ops.gdn_snapshot_verify(*inp.args(), fenced_pool, src, qsl, i32([2, 7, 3, 40, 4, 5], device),
                             validate=False)
-    assert out.shape[0] == T
+    assert big[S:].isnan().all()
+
+    # short conv: verify skips slot 99; commit clamps and skips as above
     state = torch.randn(S, 3, 5, device=device)
-    rec_x = torch.randn(T, 5, device=device)
-    before = state.clone()
-    ops.short_conv_commit(state, rec_x, wild_qsl, i32([0, 99, 2], device), i32([9, 2, 4], device),
-                          i32([3, 1, 2], device), validate=False)
-    ref_state = before.clone()
+    x = torch.randn(T, 5, device=device)
+    w = torch.randn(5, 4, device=device)
+    conv_out = torch.full((T, 5), float("nan"), device=device)
+    rec_x = torch.full((T, 5), float("nan"), device=device)
+    big, fenced_state = fenced(state)
+    torch.ops.ssm_spec.short_conv_verify(x, w, None, fenced_state, i32([0, 99], device), qsl,
+                                         conv_out, rec_x, 1, "silu")
+    assert conv_out[3:].isnan().all() and not conv_out[:3].isnan().any()
+    rec_x = x.clone()
+    ops.short_conv_commit(fenced_state, rec_x, wild_qsl, i32([0, 99, 2, 1], device),
+                          i32([9, 2, 4, 1], device), i32([3, 1, 2, 50], device),
+                          i32([[100], [5], [-7], [5]], device), i32([[1], [1], [1], [1]], device),
+                          validate=False)
+    ref_state = state.clone()
     ops.short_conv_commit(ref_state, rec_x, qsl, i32([0, -1], device), i32([3, 0], device),
                           i32([3, -1], device))
-    assert same_bits(state, ref_state)
+    assert same_bits(fenced_state, ref_state) and big[S:].isnan().all()
+
+
+def test_commit_protects_the_checkpoint_of_a_row_accepting_nothing(gdn, device):
+    inp, pool, qsl, src, rec = gdn
+    before = pool.clone()
+    with pytest.raises(ValueError, match="dst_indices"):
+        ops.gdn_commit(pool, rec, qsl, src, i32([2, 0], device), dst_indices=i32([1, 1], device))
+    with pytest.raises(ValueError, match="boundary_indices"):
+        ops.gdn_commit(pool, rec, qsl, src, i32([2, 0], device), dst_indices=i32([0, 1], device),
+                       boundary_indices=i32([[1], [-1]], device), boundary_offsets=i32([[1], [0]], device))
+    assert same_bits(pool, before)
+
+
+SNAPSHOT_CASES = {
+    "duplicate": ("snapshot_indices", [2, 2, 3, 4, 5, -1]),
+    "another_source": ("snapshot_indices", [2, 3, 1, -1, -1, -1]),
+    "empty_row_source": ("snapshot_indices", [1, 2, 3, -1, -1, -1]),  # row 1's window is empty
+    "slot_range": ("snapshot_indices", [2, 3, 4, S, -1, -1]),
+    "too_short": ("snapshot_indices", [2, 3]),
+    "dtype": ("snapshot_indices", None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SNAPSHOT_CASES))
+def test_gdn_snapshot_verify_rejects(gdn, device, case):
+    inp, pool, qsl, src, _ = gdn
+    arg, snaps = SNAPSHOT_CASES[case]
+    snap = i32(snaps, device) if snaps is not None else torch.arange(2, 8, device=device)
+    if case == "empty_row_source":
+        qsl = i32([0, 6, 6], device)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=arg):
+        ops.gdn_snapshot_verify(*inp.args(), pool, src, qsl, snap)
+    assert same_bits(pool, before)
+
+
+def test_wrappers_reject_wrong_kinds_before_reading_shapes(gdn, device):
+    inp, pool, qsl, src, rec = gdn
+    n = i32([1, 1], device)
+    cases = [
+        ("q", lambda: ops.gdn_verify(inp.q[:, 0], inp.k, inp.v, inp.g, inp.beta, pool, src, qsl)),
+        ("q", lambda: ops.gdn_verify(inp.q.tolist(), inp.k, inp.v, inp.g, inp.beta, pool, src, qsl)),
+        ("v", lambda: ops.gdn_verify(inp.q, inp.k, inp.v[:, 0, 0], inp.g, inp.beta, pool, src, qsl)),
+        ("q, v", lambda: ops.gdn_verify(inp.q[..., :0], inp.k[..., :0], inp.v, inp.g, inp.beta,
+                                        pool[..., :0, :], src, qsl)),
+        ("scale", lambda: ops.gdn_verify(*inp.args(), pool, src, qsl, scale="x")),
+        ("scale", lambda: ops.gdn_verify(*inp.args(), pool, src, qsl, scale=float("nan"))),
+        ("use_qk_l2norm", lambda: ops.gdn_verify(*inp.args(), pool, src, qsl, use_qk_l2norm="no")),
+        ("src_indices", lambda: ops.gdn_commit(pool, rec, qsl, i32(0, device), n)),
+        ("src_indices", lambda: ops.gdn_commit(pool, rec, qsl, [0, 1], n)),
+        ("record", lambda: ops.gdn_commit(pool, None, qsl, src, n)),
+        ("record", lambda: ops.gdn_commit(pool, rec[:2], qsl, src, n)),
+        ("state", lambda: ops.gdn_commit(pool[:1].expand(S, -1, -1, -1), rec, qsl, src, n,
+                                         dst_indices=i32([2, 3], device))),
+        ("x", lambda: ops.short_conv_verify(torch.randn(6, device=device), torch.randn(5, 4, device=device),
+                                            None, torch.randn(S, 3, 5, device=device), src, qsl)),
+        ("dilation", lambda: ops.short_conv_verify(torch.randn(6, 5, device=device), torch.randn(5, 2, device=device),
+                                                   None, torch.randn(S, 1, 5, device=device), src, qsl,
+                                                   dilation=True)),
+        ("src_indices", lambda: ops.short_conv_commit(torch.randn(S, 3, 5, device=device),
+                                                      torch.randn(6, 5, device=device), qsl, [0, 1], n)),
+    ]
+    before = pool.clone()
+    for arg, call in cases:
+        with pytest.raises(ValueError, match=arg):
+            call()
+    assert same_bits(pool, before)
+
+
+def test_autograd_inputs_are_refused(gdn, device):
+    inp, pool, qsl, src, rec = gdn
+    q = inp.q.detach().clone().requires_grad_()
+    with pytest.raises(ValueError, match="q"):
+        ops.gdn_verify(q, inp.k, inp.v, inp.g, inp.beta, pool, src, qsl)
+    leaf = pool.clone().requires_grad_()
+    with pytest.raises(ValueError, match="state"):
+        ops.gdn_commit(leaf, rec, qsl, src, i32([1, 1], device))
+    with torch.no_grad():
+        out, _ = ops.gdn_verify(q, inp.k, inp.v, inp.g, inp.beta, pool, src, qsl)
+    assert not out.requires_grad
+
+
+def test_validate_true_inside_compile_is_a_clear_error(gdn):
+    inp, pool, qsl, src, _ = gdn
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: ops.gdn_verify(*a, validate=True), fullgraph=True)
+    with pytest.raises(Exception, match="validate"):
+        f(*inp.args(), pool, src, qsl)

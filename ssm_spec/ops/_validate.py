@@ -15,6 +15,7 @@ expected, raised before anything is written.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -25,15 +26,53 @@ NULL_SLOT = -1
 INDEX_DTYPE = torch.int32
 
 
-def should_validate(validate: bool | None) -> bool:
-    """Resolve ``validate=None`` to "on in eager, off while compiling or capturing"."""
-    if validate is not None:
-        return bool(validate)
-    if torch.compiler.is_compiling():
-        return False
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
+def should_validate(validate: bool | None, op: str = "ssm_spec") -> bool:
+    """Resolve ``validate=None`` to "on in eager, off while compiling or capturing".
+
+    Raises:
+        ValueError: ``validate=True`` inside ``torch.compile`` or a CUDA graph capture (the
+            value checks read the metadata on the host, which neither allows).
+    """
+    compiling = torch.compiler.is_compiling()
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if validate is None:
+        return not (compiling or capturing)
+    if validate and (compiling or capturing):
+        fail(op, "validate", True, "None or False while compiling or capturing (validation reads "
+             "the metadata on the host; validate the step's metadata once, outside)")
+    return bool(validate)
+
+
+def check_scalars(op: str, *, scale=None, use_qk_l2norm=None, dilation=None, activation=None) -> None:
+    """Static (non-tensor) arguments: a finite float scale, a bool, an int dilation >= 1."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        fail(op, "scale", repr(scale), "a finite float (or None for K ** -0.5)")
+    if use_qk_l2norm is not None and not isinstance(use_qk_l2norm, bool):
+        fail(op, "use_qk_l2norm", repr(use_qk_l2norm), "a bool")
+    if dilation is not None and (isinstance(dilation, bool) or not isinstance(dilation, int) or dilation < 1):
+        fail(op, "dilation", repr(dilation), "an int >= 1")
+    if activation is not None and activation not in ("silu", "none"):
+        fail(op, "activation", repr(activation), "'silu' or 'none'")
+
+
+def check_no_grad(op: str, **tensors) -> None:
+    """The ops have no autograd formula: refuse inputs that require grad while grad mode is
+    on, rather than return outputs silently detached from the graph."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            fail(op, name, "a tensor that requires grad", "no autograd (run under torch.no_grad() "
+                 "or detach; the ops are inference kernels)")
+
+
+def check_unaliased_pool(op: str, arg: str, pool: torch.Tensor) -> None:
+    """A mutated pool must not alias itself (an ``expand``-ed pool would write every slot)."""
+    for dim, (size, stride) in enumerate(zip(pool.shape, pool.stride())):
+        if size > 1 and stride == 0:
+            fail(op, arg, f"stride 0 in dim {dim} (an expanded or broadcast tensor)",
+                 "a pool whose slots do not alias one another")
 
 
 def fail(op: str, arg: str, got, expected) -> None:
@@ -76,7 +115,8 @@ def check_index(op: str, arg: str, t, length: int | None, device, ndim: int = 1)
     """An int32 index tensor of ``ndim`` dims whose first dim is ``length`` (any strides)."""
     check_tensor(op, arg, t, ndim=ndim, dtypes=(INDEX_DTYPE,), device=device)
     if length is not None and t.shape[0] != length:
-        fail(op, arg, f"shape {list(t.shape)}", f"first dim {length} (one entry per row)")
+        fail(op, arg, f"shape {list(t.shape)}",
+             f"first dim {length} (one entry per row: len(query_start_loc) - 1)")
 
 
 # ----------------------------------------------------------------------------- values
@@ -165,8 +205,9 @@ def no_boundaries(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def commit_defaults(op, src_indices, dst_indices, boundary_indices, boundary_offsets):
     """Fill the commit wrappers' defaults: ``dst = src`` and no boundaries."""
-    if not isinstance(src_indices, torch.Tensor):
-        fail(op, "src_indices", type(src_indices).__name__, "a torch.Tensor")
+    if not isinstance(src_indices, torch.Tensor) or src_indices.dim() != 1:
+        fail(op, "src_indices", type(src_indices).__name__ if not isinstance(src_indices, torch.Tensor)
+             else f"a {src_indices.dim()}-D tensor", "a 1-D int32 torch.Tensor, one slot per row")
     if dst_indices is None:
         dst_indices = src_indices
     if boundary_indices is None and boundary_offsets is None:
@@ -186,9 +227,10 @@ def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
     dsts = slot_values(op, "dst_indices", dst_indices, num_slots)
     bidx = slot_values(op, "boundary_indices", boundary_indices, num_slots)
     boff = boundary_offsets.tolist()
-    reads = {b: s for b, s in enumerate(srcs) if s >= 0 and counts[b] > 0}
+    # every live row's checkpoint is protected, also that of a row accepting nothing
+    reads = {b: s for b, s in enumerate(srcs) if s >= 0}
     writes = []
-    for b in reads:
+    for b in (b for b in reads if counts[b] > 0):
         for j, (idx, off) in enumerate(zip(bidx[b], boff[b])):
             if idx >= 0 and 1 <= off <= counts[b]:
                 writes.append((b, idx, f"boundary_indices[{b}, {j}]"))

@@ -17,7 +17,16 @@ from ssm_spec.ops.gdn.commit import launch_gdn_commit
 from ssm_spec.ops.gdn.verify import launch_gdn_window
 from ssm_spec.ops.short_conv.commit import launch_short_conv_commit
 from ssm_spec.ops.short_conv.verify import launch_short_conv_verify
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, rel_err, rotating_counts, same_bits
+from tests.helpers import (
+    fenced,
+    gdn_inputs,
+    i32,
+    qsl_from_lengths,
+    random_pool,
+    rel_err,
+    rotating_counts,
+    same_bits,
+)
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 set before import"
 NAN = float("nan")
@@ -164,3 +173,47 @@ def test_short_conv_kernels(ks, dil, bias, act):
 def test_no_boundaries_helper_shape():
     bi, bo = no_boundaries(3, "cpu")
     assert bi.shape == (3, 0) and bo.dtype == torch.int32
+
+
+def test_kernel_guards_skip_and_clamp_wild_metadata():
+    """Each kernel's bounds guards, on pools that are the first S slots of a NaN-fenced buffer:
+    a missing guard reads NaN from, or writes into, the fence."""
+    HV, H, K, V, S, W = 2, 1, 8, 8, 4, 3
+    qsl = i32([0, W, 2 * W], "cpu")
+    T = 2 * W
+    inp = gdn_inputs(T, H, HV, K, V, "cpu")
+    pool = random_pool(S, HV, K, V, "cpu")
+    _, rec = _triton_verify(inp, pool, i32([0, 1], "cpu"), qsl)
+    # verify: slot 9 skipped, the second window [3, 50) clamped to [3, T)
+    big, view = fenced(pool)
+    out, wild_rec = _triton_verify(inp, view, i32([9, 1], "cpu"), i32([0, W, 50], "cpu"))
+    assert out[:W].isnan().all() and wild_rec.u[:W].isnan().all()
+    assert same_bits(out[W:], _triton_verify(inp, pool, i32([-1, 1], "cpu"), qsl)[0][W:])
+    # snapshot: slot 7 not written
+    big, view = fenced(pool)
+    launch_gdn_window(*inp.args(), view, i32([0, 1], "cpu"), qsl, i32([2, 7, 3, -1, 7, 2], "cpu"),
+                      torch.empty(T, HV, V), None, K**-0.5, True)
+    assert big[S:].isnan().all()
+    # commit: count 9 clamps to W, dst 6 and boundary 5 skipped
+    big, view = fenced(pool)
+    launch_gdn_commit(view, *rec, qsl, i32([0, 1], "cpu"), i32([9, 2], "cpu"), i32([2, 6], "cpu"),
+                      i32([[5], [3]], "cpu"), i32([[1], [1]], "cpu"))
+    want = pool.clone()
+    launch_gdn_commit(want, *rec, qsl, i32([0, 1], "cpu"), i32([W, 2], "cpu"), i32([2, -1], "cpu"),
+                      i32([[-1], [3]], "cpu"), i32([[1], [1]], "cpu"))
+    assert same_bits(view, want) and big[S:].isnan().all()
+    # short conv: verify skips slot 9; commit clamps count 9, skips dst 6
+    C, lc = 6, 2
+    x = torch.randn(T, C)
+    state = torch.randn(S, lc, C)
+    big, view = fenced(state)
+    y = torch.full((T, C), NAN)
+    launch_short_conv_verify(x, torch.randn(C, 3), None, view, i32([9, 1], "cpu"), qsl, y,
+                             torch.empty(T, C), 1, "silu")
+    assert y[:W].isnan().all() and not y[W:].isnan().any()
+    launch_short_conv_commit(view, x, qsl, i32([0, 1], "cpu"), i32([9, 2], "cpu"), i32([2, 6], "cpu"),
+                             i32([[5], [3]], "cpu"), i32([[1], [1]], "cpu"))
+    want = state.clone()
+    ops.short_conv_commit(want, x, qsl, i32([0, 1], "cpu"), i32([W, 2], "cpu"), i32([2, -1], "cpu"),
+                          i32([[-1], [3]], "cpu"), i32([[1], [1]], "cpu"))
+    assert same_bits(view, want) and big[S:].isnan().all()

@@ -15,7 +15,9 @@ from .._validate import (
     STATE_DTYPES,
     check_commit_metadata,
     check_commit_values,
+    check_no_grad,
     check_tensor,
+    check_unaliased_pool,
     commit_defaults,
     should_validate,
 )
@@ -224,13 +226,20 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
             outside ``0..window length``, two rows writing one slot, or a row writing another
             row's source slot. Nothing is written.
     """
+    op = "gdn_commit"
+    do_validate = should_validate(validate, op)
     dst_indices, boundary_indices, boundary_offsets = commit_defaults(
-        "gdn_commit", src_indices, dst_indices, boundary_indices, boundary_offsets)
-    args = (state, record.u, record.k, record.decay, query_start_loc, src_indices,
+        op, src_indices, dst_indices, boundary_indices, boundary_offsets)
+    if not (isinstance(record, tuple) and len(record) == 3):
+        raise ValueError(f"{op}: record: got {type(record).__name__}; expected the ReplayRecord "
+                         "(u, k, decay) returned by gdn_verify")
+    args = (state, record[0], record[1], record[2], query_start_loc, src_indices,
             num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets)
-    if should_validate(validate):
+    if do_validate:
         check_gdn_commit_structure(*args)
-        check_commit_values("gdn_commit", state.shape[-4], record.u.shape[-3], query_start_loc,
+        check_no_grad(op, state=state)
+        check_unaliased_pool(op, "state", state)
+        check_commit_values("gdn_commit", state.shape[-4], record[0].shape[-3], query_start_loc,
                             src_indices, num_accepted_tokens, dst_indices, boundary_indices,
                             boundary_offsets)
     torch.ops.ssm_spec.gdn_commit(*args)

@@ -5,7 +5,7 @@ because all three kernels build the state with *these* functions, on tiles of th
 and ``num_warps`` (the order of the K reduction that produces ``u`` depends on them). Change
 the tile configuration only here, for all three at once.
 
-What the H200 taught us (``scripts/diag_bitwise.py``, ``scripts/diag_knorm.py``): with the
+What the H200 taught us (``scripts/diag_bitwise.py``; ``docs/perf-notes.md``): with the
 key norm summed as a replicated ``[BK]`` vector, the ``k̂`` a program recorded and the one its
 own update used differed in the last bit for some shapes, so commit (which follows the record
 exactly) and the snapshot disagreed; :func:`l2_normalize_key` sums over the state tile

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_index, check_write_conflicts, should_validate, slot_values, window_bounds
-from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window
+from .._validate import (
+    check_index,
+    check_no_grad,
+    check_unaliased_pool,
+    check_write_conflicts,
+    should_validate,
+    slot_values,
+    window_bounds,
+)
+from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, precheck_gdn_window
 
 
 def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
@@ -71,19 +79,24 @@ def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, s
     Raises:
         ValueError: naming the argument, before anything is written.
     """
+    op = "gdn_snapshot_verify"
+    do_validate = should_validate(validate, op)
+    if do_validate:
+        precheck_gdn_window(op, q, v, scale, use_qk_l2norm)
+        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
+        check_unaliased_pool(op, "state", state)
     T, H, K = q.shape
     HV, V = v.shape[-2:]
     scale = K**-0.5 if scale is None else float(scale)
     out = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
-    if should_validate(validate):
-        op = "gdn_snapshot_verify"
+    if do_validate:
         _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
                                   snapshot_indices, out)
         windows = window_bounds(op, query_start_loc, T)
         S = state.shape[0]
         srcs = slot_values(op, "src_indices", src_indices, S)
         snaps = slot_values(op, "snapshot_indices", snapshot_indices, S)
-        reads = {b: s for b, s in enumerate(srcs) if s >= 0 and windows[b][1] > windows[b][0]}
+        reads = {b: s for b, s in enumerate(srcs) if s >= 0}  # every live checkpoint
         writes = [(b, snaps[t], f"snapshot_indices[{t}]") for b, (bos, eos) in enumerate(windows)
                   if b in reads for t in range(bos, eos) if snaps[t] >= 0]
         seen = {}

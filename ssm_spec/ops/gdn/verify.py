@@ -18,6 +18,8 @@ from .._validate import (
     FLOAT_DTYPES,
     STATE_DTYPES,
     check_index,
+    check_no_grad,
+    check_scalars,
     check_tensor,
     should_validate,
     slot_values,
@@ -91,7 +93,7 @@ def gdn_window_kernel(
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
         write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-        t = bos
+        t = bos.to(tl.int64)  # int64 token offsets
         while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
             b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=m_k, other=0).to(tl.float32)
             b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=m_k, other=0).to(tl.float32)
@@ -197,6 +199,16 @@ def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapsh
 # ----------------------------------------------------------------------------- checks
 
 
+def precheck_gdn_window(op, q, v, scale, use_qk_l2norm):
+    """What the wrappers read before allocating: ranks of q and v, non-empty head dims, the
+    static arguments."""
+    check_tensor(op, "q", q, ndim=3)
+    check_tensor(op, "v", v, ndim=3)
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        raise ValueError(f"{op}: q, v: got head dims K={q.shape[-1]}, V={v.shape[-1]}; expected >= 1")
+    check_scalars(op, scale=scale, use_qk_l2norm=use_qk_l2norm)
+
+
 def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
                                rec_u=None, rec_k=None, rec_decay=None):
     """Ranks, shapes, dtypes, devices of the window ops' arguments (no host sync)."""
@@ -205,6 +217,8 @@ def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_s
     S, HV, K, V = state.shape
     check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     T, H = q.shape[0], q.shape[1]
+    if min(HV, K, V) == 0:
+        raise ValueError(f"{op}: state: got shape {list(state.shape)}; expected HV, K, V >= 1")
     if H == 0 or HV % H != 0:
         raise ValueError(f"{op}: q: got {H} key heads for {HV} value heads; expected HV % H == 0")
     check_tensor(op, "q", q, shape=(T, H, K))
@@ -285,6 +299,11 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
         ValueError: naming the argument, for bad shapes, dtypes, devices, a slot ``>= S``,
             or a malformed ``query_start_loc``; nothing is written.
     """
+    op = "gdn_verify"
+    do_validate = should_validate(validate, op)
+    if do_validate:
+        precheck_gdn_window(op, q, v, scale, use_qk_l2norm)
+        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
     T, H, K = q.shape
     HV, V = v.shape[-2:]
     scale = K**-0.5 if scale is None else float(scale)
@@ -294,7 +313,7 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
         k=torch.empty((T, H, K), dtype=torch.float32, device=v.device),
         decay=torch.empty((T, HV), dtype=torch.float32, device=v.device),
     )
-    if should_validate(validate):
+    if do_validate:
         check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                    query_start_loc, out, *record)
         window_bounds("gdn_verify", query_start_loc, T)

@@ -15,7 +15,9 @@ from .._validate import (
     FLOAT_DTYPES,
     check_commit_metadata,
     check_commit_values,
+    check_no_grad,
     check_tensor,
+    check_unaliased_pool,
     commit_defaults,
     should_validate,
 )
@@ -199,12 +201,16 @@ def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accep
     Raises:
         ValueError: naming the argument, before anything is written.
     """
+    op = "short_conv_commit"
+    do_validate = should_validate(validate, op)
     dst_indices, boundary_indices, boundary_offsets = commit_defaults(
-        "short_conv_commit", src_indices, dst_indices, boundary_indices, boundary_offsets)
+        op, src_indices, dst_indices, boundary_indices, boundary_offsets)
     args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
             boundary_indices, boundary_offsets)
-    if should_validate(validate):
+    if do_validate:
         check_short_conv_commit_structure(*args)
+        check_no_grad(op, conv_state=conv_state)
+        check_unaliased_pool(op, "conv_state", conv_state)
         check_commit_values("short_conv_commit", conv_state.shape[-3], rec_x.shape[-2],
                             query_start_loc, src_indices, num_accepted_tokens, dst_indices,
                             boundary_indices, boundary_offsets)

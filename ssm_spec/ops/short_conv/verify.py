@@ -15,6 +15,8 @@ from ... import reference
 from .._validate import (
     FLOAT_DTYPES,
     check_index,
+    check_no_grad,
+    check_scalars,
     check_tensor,
     should_validate,
     slot_values,
@@ -22,8 +24,6 @@ from .._validate import (
 )
 from .._window import clamped_window, load_window
 from ..gdn.inner import next_power_of_2
-
-ACTIVATIONS = ("silu", "none")
 
 
 def conv_block_c(C: int) -> int:
@@ -52,7 +52,7 @@ def short_conv_verify_kernel(
         o_c = i_c * BC + tl.arange(0, BC)
         m_c = o_c < C
         p_state = cs_ptr + slot * s_cs + o_c * s_cc
-        t = bos
+        t = bos.to(tl.int64)  # int64 token offsets
         while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
             if HAS_BIAS:
                 acc = tl.load(bias_ptr + o_c * s_bias, mask=m_c, other=0).to(tl.float32)
@@ -60,7 +60,7 @@ def short_conv_verify_kernel(
                 acc = tl.zeros([BC], dtype=tl.float32)
             for j in tl.static_range(KS):
                 pos = t - bos - (KS - 1 - j) * DIL  # position relative to the window start
-                in_window = tl.full([BC], pos, tl.int32) >= 0
+                in_window = tl.full([BC], pos, tl.int64) >= 0
                 from_x = tl.load(x_ptr + (t - (KS - 1 - j) * DIL) * s_xt + o_c * s_xc,
                                  mask=m_c & in_window, other=0).to(tl.float32)
                 from_state = tl.load(p_state + (LC + pos) * s_cl, mask=m_c & (~in_window),
@@ -129,10 +129,7 @@ def check_short_conv_verify_structure(x, weight, bias, conv_state, state_indices
     check_tensor(op, "weight", weight, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
     if weight.shape[0] != C or weight.shape[1] < 1:
         raise ValueError(f"{op}: weight: got shape {list(weight.shape)}; expected [C={C}, kernel_size >= 1]")
-    if not isinstance(dilation, int) or dilation < 1:
-        raise ValueError(f"{op}: dilation: got {dilation!r}; expected an int >= 1")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation: got {activation!r}; expected one of {ACTIVATIONS}")
+    check_scalars(op, dilation=dilation, activation=activation)
     lc = (weight.shape[1] - 1) * dilation
     check_tensor(op, "conv_state", conv_state, shape=(None, lc, C))
     if bias is not None:
@@ -202,12 +199,18 @@ def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_lo
     Raises:
         ValueError: naming the argument, before anything is written.
     """
+    op = "short_conv_verify"
+    do_validate = should_validate(validate, op)
+    if do_validate:
+        check_tensor(op, "x", x, ndim=2)
+        check_scalars(op, dilation=dilation, activation=activation)
+        check_no_grad(op, x=x, weight=weight, bias=bias, conv_state=conv_state)
     T, C = x.shape
     out = torch.empty((T, C), dtype=x.dtype, device=x.device)
     rec_x = torch.empty((T, C), dtype=torch.float32, device=x.device)
     args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
             activation)
-    if should_validate(validate):
+    if do_validate:
         check_short_conv_verify_structure(*args)
         window_bounds("short_conv_verify", query_start_loc, T)
         slot_values("short_conv_verify", "state_indices", state_indices, conv_state.shape[0])
