@@ -33,11 +33,12 @@ def should_validate(validate: bool | None, op: str = "ssm_spec") -> bool:
         ValueError: ``validate=True`` inside ``torch.compile`` or a CUDA graph capture (the
             value checks read the metadata on the host, which neither allows).
     """
-    compiling = torch.compiler.is_compiling()
-    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # is_compiling first: dynamo (torch 2.11) cannot trace the capture query
+    busy = torch.compiler.is_compiling() or (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     if validate is None:
-        return not (compiling or capturing)
-    if validate and (compiling or capturing):
+        return not busy
+    if validate and busy:
         fail(op, "validate", True, "None or False while compiling or capturing (validation reads "
              "the metadata on the host; validate the step's metadata once, outside)")
     return bool(validate)
