@@ -6,8 +6,23 @@ writes the state once. See DESIGN.md for the contract.
 """
 
 from . import ops, reference
+from .metadata import RecoverSSMMetadata
+from .modules import RecoverGatedDeltaNet, RecoverShortConv
 from .ops import NULL_SLOT, ReplayRecord
+from .pools import StatePool
+from .step import commit
 
 __version__ = "0.1.0"
 
-__all__ = ["NULL_SLOT", "ReplayRecord", "ops", "reference", "__version__"]
+__all__ = [
+    "NULL_SLOT",
+    "RecoverGatedDeltaNet",
+    "RecoverSSMMetadata",
+    "RecoverShortConv",
+    "ReplayRecord",
+    "StatePool",
+    "commit",
+    "ops",
+    "reference",
+    "__version__",
+]

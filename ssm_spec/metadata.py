@@ -1,0 +1,230 @@
+"""``RecoverSSMMetadata``: the per-step metadata every layer and the commit share.
+
+Built once per step from host-side scheduling data, validated once, then moved to the device;
+nothing in the step reads it back on the host (DESIGN.md section 5). Prefill rows keep a small
+host-side plan (token range, initial and final slots, boundary slots) because the chunked
+prefill runs eagerly per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .ops import NULL_SLOT
+
+__all__ = ["RecoverSSMMetadata", "PrefillRow"]
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """Host plan of one prefill row.
+
+    Attributes:
+        row: the row index; bos, eos: its tokens ``[bos, eos)``.
+        src: the slot holding the state before the chunk, or ``NULL_SLOT`` for a fresh request
+            (zero state).
+        dst: the slot receiving the final state.
+        boundaries: ``((offset, slot), ...)``: align mode's states after ``offset`` tokens.
+    """
+
+    row: int
+    bos: int
+    eos: int
+    src: int
+    dst: int
+    boundaries: tuple[tuple[int, int], ...] = ()
+
+
+def _fail(arg, got, expected):
+    raise ValueError(f"RecoverSSMMetadata: {arg}: got {got}; expected {expected}")
+
+
+@dataclass(frozen=True)
+class RecoverSSMMetadata:
+    """Per-step metadata (build it with :meth:`build`).
+
+    Device tensors (int32 unless noted):
+        query_start_loc ``[B + 1]``; is_prefill ``[B]`` bool; num_computed_tokens ``[B]``;
+        verify_indices ``[B]``: the checkpoint slot each verify row reads (``NULL_SLOT`` for
+        prefill and padding rows: the commit skips them); fresh_slots ``[F]``: checkpoints of
+        verify rows admitted this step (zeroed by the layers before they verify);
+        block_table ``[B, ncols]`` (align mode only).
+
+    Host values:
+        num_tokens ``T``; num_rows ``B``; block_size (align mode) or None; max_window (the
+        longest verify window, which sizes the boundary plan); prefill_rows (a
+        :class:`PrefillRow` per prefill row).
+    """
+
+    query_start_loc: torch.Tensor
+    is_prefill: torch.Tensor
+    num_computed_tokens: torch.Tensor
+    verify_indices: torch.Tensor
+    fresh_slots: torch.Tensor
+    block_table: torch.Tensor | None
+    num_tokens: int
+    num_rows: int
+    block_size: int | None
+    max_window: int
+    prefill_rows: tuple[PrefillRow, ...]
+
+    @property
+    def align(self) -> bool:
+        return self.block_size is not None
+
+    @property
+    def has_verify(self) -> bool:
+        return self.max_window > 0
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        is_prefill: Sequence[bool],
+        num_computed_tokens: Sequence[int],
+        state_indices: Sequence[int] | torch.Tensor | None = None,
+        *,
+        block_size: int | None = None,
+        block_table: Sequence[Sequence[int]] | torch.Tensor | None = None,
+        num_slots: int | None = None,
+        device=None,
+    ) -> RecoverSSMMetadata:
+        """Validate the step's scheduling data on the host and build the device metadata.
+
+        Args:
+            query_lens: tokens of each row this step (a verify row: its window, 1 for plain
+                decode; a prefill row: its prompt chunk). Rows are laid out in this order.
+            is_prefill: per row, prefill (chunked GDN prefill, final state written, no commit)
+                or verify (read-only checkpoint, record, commit later). Any mix and order.
+            num_computed_tokens: tokens already committed for the row's request (0: a fresh
+                request, which starts from the zero state).
+            state_indices: one slot per row (``NULL_SLOT``: a padding row, which must have no
+                tokens); not used in align mode.
+            block_size: align mode (prefix caching): block column ``p`` of a row holds the
+                state after ``(p + 1) * block_size`` tokens.
+            block_table: align mode: ``[B, ncols]`` slots per row (``NULL_SLOT``: none); a row
+                whose whole table is null is padding.
+            num_slots: the pool's slot count, to range-check slots (recommended).
+            device: where the metadata lives (the pool's device).
+
+        Raises:
+            ValueError: naming the argument: inconsistent lengths, a padding row with tokens,
+                two rows sharing a slot, a slot out of range, or (align mode) a column the step
+                could need that lies past the row's table or is null.
+        """
+        B = len(query_lens)
+        lens = [int(n) for n in query_lens]
+        pre = [bool(p) for p in is_prefill]
+        nct = [int(n) for n in num_computed_tokens]
+        if len(pre) != B or len(nct) != B:
+            _fail("is_prefill / num_computed_tokens", f"lengths {len(pre)} / {len(nct)}", f"{B} (one per row)")
+        for b in range(B):
+            if lens[b] < 0:
+                _fail(f"query_lens[{b}]", lens[b], ">= 0")
+            if nct[b] < 0:
+                _fail(f"num_computed_tokens[{b}]", nct[b], ">= 0")
+        align = block_size is not None
+        if align:
+            if block_table is None or state_indices is not None:
+                _fail("block_table / state_indices", "state_indices or no block_table",
+                      "block_table (and no state_indices) in align mode")
+            if int(block_size) < 1:
+                _fail("block_size", block_size, ">= 1")
+            bs = int(block_size)
+            table = block_table.tolist() if isinstance(block_table, torch.Tensor) else [list(r) for r in block_table]
+            if len(table) != B or len({len(r) for r in table}) > 1:
+                _fail("block_table", f"{len(table)} rows of lengths {sorted({len(r) for r in table})}",
+                      f"{B} rows of one length")
+            ncols = len(table[0]) if table else 0
+        else:
+            if state_indices is None or block_table is not None:
+                _fail("state_indices / block_table", "no state_indices or a block_table",
+                      "state_indices (and no block_table) outside align mode")
+            slots = state_indices.tolist() if isinstance(state_indices, torch.Tensor) else [int(s) for s in state_indices]
+            if len(slots) != B:
+                _fail("state_indices", f"{len(slots)} entries", f"{B} (one per row)")
+
+        def check_slot(arg, slot):
+            if num_slots is not None and slot >= num_slots:
+                _fail(arg, slot, f"a slot < num_slots = {num_slots}")
+
+        owner: dict[int, int] = {}
+
+        def claim(arg, slot, row):
+            check_slot(arg, slot)
+            if owner.setdefault(slot, row) != row:
+                _fail(arg, f"slot {slot}", f"a slot of this row only (row {owner[slot]} uses it too)")
+
+        verify_idx, fresh, prefill_rows = [], [], []
+        bos = 0
+        for b in range(B):
+            eos = bos + lens[b]
+            if align:
+                row = table[b]
+                if all(s < 0 for s in row):  # padding row
+                    if lens[b]:
+                        _fail(f"block_table[{b}]", "only null slots for a row with tokens", "a real slot")
+                    verify_idx.append(NULL_SLOT)
+                    bos = eos
+                    continue
+                nc = nct[b]
+                first = max(nc - 1, 0) // bs
+                last = (nc + max(lens[b], 1) - 1) // bs
+                for col in range(first, last + 1):  # every column the step may read or write
+                    if col >= ncols:
+                        _fail(f"block_table[{b}]", f"{ncols} columns",
+                              f"a column {col} for the block of token {nc + lens[b]} (block_size {bs})")
+                    if row[col] < 0:
+                        _fail(f"block_table[{b}, {col}]", "the null slot", "a slot (the step may write it)")
+                    claim(f"block_table[{b}, {col}]", row[col], b)
+                checkpoint = row[first]
+                if pre[b]:
+                    bounds = tuple(((p + 1) * bs - nc, row[p]) for p in range(nc // bs, (nc + lens[b]) // bs)
+                                   if 1 <= (p + 1) * bs - nc <= lens[b])
+                    dst = row[(nc + lens[b] - 1) // bs] if lens[b] else checkpoint
+                    prefill_rows.append(PrefillRow(b, bos, eos, checkpoint if nc > 0 else NULL_SLOT, dst, bounds))
+                    verify_idx.append(NULL_SLOT)
+                else:
+                    verify_idx.append(checkpoint)
+                    if nc == 0:
+                        fresh.append(checkpoint)
+            else:
+                slot = slots[b]
+                if slot < 0:
+                    if lens[b]:
+                        _fail(f"state_indices[{b}]", f"{slot} (padding) for a row with {lens[b]} tokens",
+                              "a slot >= 0, or no tokens")
+                    verify_idx.append(NULL_SLOT)
+                    bos = eos
+                    continue
+                claim(f"state_indices[{b}]", slot, b)
+                if pre[b]:
+                    prefill_rows.append(PrefillRow(b, bos, eos, slot if nct[b] > 0 else NULL_SLOT, slot))
+                    verify_idx.append(NULL_SLOT)
+                else:
+                    verify_idx.append(slot)
+                    if nct[b] == 0:
+                        fresh.append(slot)
+            bos = eos
+
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+        windows = [lens[b] for b in range(B) if not pre[b] and verify_idx[b] >= 0]
+        return cls(
+            query_start_loc=i32(qsl),
+            is_prefill=torch.tensor(pre, dtype=torch.bool, device=device),
+            num_computed_tokens=i32(nct),
+            verify_indices=i32(verify_idx),
+            fresh_slots=i32(fresh),
+            block_table=i32(table).reshape(B, ncols) if align else None,
+            num_tokens=qsl[-1],
+            num_rows=B,
+            block_size=int(block_size) if align else None,
+            max_window=max(windows, default=0),
+            prefill_rows=tuple(prefill_rows),
+        )

@@ -1,0 +1,174 @@
+"""``RecoverGatedDeltaNet``: the Qwen3-Next / Qwen3.5 GDN layer on RecoverSSM ops.
+
+Parameter names and shapes are Hugging Face's (DESIGN.md section 5): Qwen3-Next
+(``in_proj_qkvz``, ``in_proj_ba``, grouped per key head) and Qwen3.5 (``in_proj_qkv``,
+``in_proj_z``, ``in_proj_b``, ``in_proj_a``), plus ``conv1d``, ``dt_bias``, ``A_log``,
+``norm`` and ``out_proj``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..metadata import RecoverSSMMetadata
+from ..pools import ConvStateSpec, GDNStateSpec, StatePool
+from .prefill import gdn_prefill_row
+from .short_conv import run_short_conv
+
+__all__ = ["RecoverGatedDeltaNet", "GatedRMSNorm"]
+
+LAYOUTS = ("qwen3_next", "qwen3_5")
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)``, computed as Hugging Face's
+    ``Qwen3NextRMSNormGated`` does (normalise in fp32, scale in the input dtype, gate in fp32)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+class RecoverGatedDeltaNet(nn.Module):
+    """A GDN layer whose decode steps are RecoverSSM verifies (commit with :func:`ssm_spec.commit`).
+
+    Forward takes flat hidden states ``[T, hidden]`` of a step (any mix and order of prefill
+    and verify rows, DESIGN.md section 5), its :class:`~ssm_spec.RecoverSSMMetadata` and the
+    :class:`~ssm_spec.StatePool`; verify rows read their checkpoint and write replay records,
+    prefill rows run the chunked prefill and write their final (and boundary) states.
+
+    Args:
+        hidden_size, num_k_heads (``H``), num_v_heads (``HV``), head_k_dim (``K``),
+        head_v_dim (``V``), conv_kernel_size, rms_norm_eps: Hugging Face's config values
+            (``linear_num_key_heads``, ...).
+        layout: ``"qwen3_next"`` or ``"qwen3_5"`` (the projection layout).
+
+    Raises:
+        ValueError: on an unknown layout or ``HV % H != 0``.
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
+                 layout: str = "qwen3_next", device=None, dtype=None):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"RecoverGatedDeltaNet: layout: got {layout!r}; expected one of {LAYOUTS}")
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"RecoverGatedDeltaNet: num_v_heads={num_v_heads} is not a multiple of "
+                             f"num_k_heads={num_k_heads}")
+        self.hidden_size, self.layout = hidden_size, layout
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = head_k_dim * num_k_heads, head_v_dim * num_v_heads
+        self.conv_kernel_size = conv_kernel_size
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kw = dict(device=device, dtype=dtype)
+        if layout == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **kw)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False, **kw)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False, **kw)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False, **kw)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False, **kw)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
+                                padding=conv_kernel_size - 1, bias=False, **kw)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads, **kw))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads, **kw).uniform_(1, 16)))
+        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps, **kw)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **kw)
+
+    # ------------------------------------------------------------------ Hugging Face
+    @classmethod
+    def from_hf(cls, module: nn.Module) -> RecoverGatedDeltaNet:
+        """Wrap a Hugging Face ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet``, sharing
+        its parameters (the HF submodules themselves are reused, so state-dict keys match).
+
+        Raises:
+            ValueError: if ``module`` has neither projection layout.
+        """
+        if hasattr(module, "in_proj_qkvz"):
+            layout = "qwen3_next"
+        elif hasattr(module, "in_proj_qkv"):
+            layout = "qwen3_5"
+        else:
+            raise ValueError(f"RecoverGatedDeltaNet.from_hf: {type(module).__name__} has neither "
+                             "in_proj_qkvz (Qwen3-Next) nor in_proj_qkv (Qwen3.5)")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.hidden_size, self.layout = module.hidden_size, layout
+        self.num_k_heads, self.num_v_heads = module.num_k_heads, module.num_v_heads
+        self.head_k_dim, self.head_v_dim = module.head_k_dim, module.head_v_dim
+        self.key_dim, self.value_dim = module.key_dim, module.value_dim
+        self.conv_kernel_size = module.conv_kernel_size
+        self.conv_dim = module.conv_dim
+        names = ("in_proj_qkvz", "in_proj_ba") if layout == "qwen3_next" else (
+            "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        for name in (*names, "conv1d", "norm", "out_proj"):
+            setattr(self, name, getattr(module, name))
+        self.dt_bias, self.A_log = module.dt_bias, module.A_log
+        return self
+
+    # ------------------------------------------------------------------ forward
+    def state_specs(self):
+        return [("gdn", GDNStateSpec(self.num_v_heads, self.num_k_heads, self.head_k_dim, self.head_v_dim)),
+                ("conv", ConvStateSpec(self.conv_kernel_size - 1, self.conv_dim))]
+
+    def project(self, hidden: torch.Tensor):
+        """``[T, hidden]`` -> ``(mixed_qkv [T, 2*H*K + HV*V], z [T, HV, V], b [T, HV], a [T, HV])``;
+        every tensor keeps its own token's values (no reordering across tokens)."""
+        T = hidden.shape[0]
+        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if self.layout == "qwen3_next":
+            g = HV // H
+            qkvz = self.in_proj_qkvz(hidden).view(T, H, 2 * K + 2 * g * V)
+            q, k, v, z = torch.split(qkvz, [K, K, g * V, g * V], dim=-1)
+            ba = self.in_proj_ba(hidden).view(T, H, 2 * g)
+            b, a = torch.split(ba, [g, g], dim=-1)
+            mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+            return mixed, z.reshape(T, HV, V), b.reshape(T, HV), a.reshape(T, HV)
+        z = self.in_proj_z(hidden).view(T, HV, V)
+        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+    def forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
+        """``hidden [T, hidden]`` -> ``[T, hidden]`` for the step described by ``metadata``."""
+        T = hidden.shape[0]
+        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        mixed, z, b, a = self.project(hidden)
+        conv_out = run_short_conv(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, pool.conv_state(self),
+                                  pool.conv_record(self, pool.max_tokens), metadata, 1, "silu")
+        q = conv_out[:, : self.key_dim].unflatten(1, (H, K))
+        k = conv_out[:, self.key_dim : 2 * self.key_dim].unflatten(1, (H, K))
+        v = conv_out[:, 2 * self.key_dim :].unflatten(1, (HV, V))
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        state = pool.gdn_state(self)
+        core = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+        scale = K**-0.5
+        if metadata.has_verify:
+            if metadata.fresh_slots.numel():
+                state.index_fill_(0, metadata.fresh_slots.long(), 0)
+            rec = pool.gdn_record(self, T)
+            torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, metadata.verify_indices,
+                                          metadata.query_start_loc, core, rec.u, rec.k, rec.decay, scale, True)
+        for row in metadata.prefill_rows:
+            init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
+            sl = slice(row.bos, row.eos)
+            out, final, bounds = gdn_prefill_row(q[sl], k[sl], v[sl], g[sl], beta[sl], init,
+                                                 [off for off, _ in row.boundaries], scale)
+            core[sl] = out
+            for (_, slot), s in zip(row.boundaries, bounds):
+                state[slot] = s
+            state[row.dst] = final
+        y = self.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, self.value_dim)
+        return self.out_proj(y)

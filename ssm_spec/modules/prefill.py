@@ -1,0 +1,76 @@
+"""Prefill of one row: the chunked GDN prefill (fla-core on CUDA, the reference otherwise) and
+the causal conv over a prompt, split at align-mode boundaries so each boundary state is the
+state after exactly that many tokens."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference
+
+
+@functools.cache
+def _fla_chunk():
+    """fla-core's chunked gated delta rule, or None (not installed, or no CUDA)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # fla-core is the `cuda` extra; never installed on CPU machines
+        return None
+    return chunk_gated_delta_rule
+
+
+def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
+    """Run the gated delta rule over one prompt segment.
+
+    Args:
+        q, k ``[L, H, K]``; v ``[L, HV, V]``; g, beta ``[L, HV]``; initial_state ``[HV, K, V]``
+        fp32. Returns ``(out [L, HV, V] fp32, final_state [HV, K, V] fp32)``.
+
+    On CUDA with fla-core installed this is ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
+    (the chunked prefill the library relies on; DESIGN.md section 8); otherwise the
+    token-by-token reference.
+    """
+    chunk = _fla_chunk() if q.is_cuda else None
+    if chunk is not None:
+        out, final = chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
+                           initial_state=initial_state[None].float(), output_final_state=True,
+                           use_qk_l2norm_in_kernel=True)
+        return out[0].float(), final[0].float()
+    res = reference.gdn_native_step(q, k, v, g, beta, initial_state, scale=scale, dtype=torch.float32)
+    return res.out, res.states[-1]
+
+
+def gdn_prefill_row(q, k, v, g, beta, initial_state, boundaries, scale):
+    """The whole row, split at ``boundaries`` (offsets, ascending).
+
+    Returns ``(out [L, HV, V] fp32, final_state, [state after each boundary offset])``.
+    """
+    L = q.shape[0]
+    cuts = [0] + [off for off in boundaries if 0 < off < L] + [L]
+    state = initial_state.float()
+    outs, at = [], {}
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        out, state = gdn_prefill_segment(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, scale)
+        outs.append(out)
+        at[hi] = state
+    return torch.cat(outs), state, [at[off] for off in boundaries]
+
+
+def conv_prefill_row(x, weight, bias, initial_state, dilation, activation, boundaries):
+    """Causal depthwise conv over a prompt with the conv state as left context.
+
+    Args:
+        x ``[L, C]``; weight ``[C, ks]``; bias ``[C]`` or None; initial_state ``[Lc, C]``.
+    Returns:
+        ``(out [L, C] in x's dtype, final state [Lc, C], [state after each boundary offset])``.
+    """
+    lc = initial_state.shape[0]
+    hist = torch.cat([initial_state.to(x.dtype), x])  # [Lc + L, C]
+    y = F.conv1d(hist.T[None].float(), weight.float()[:, None, :], None if bias is None else bias.float(),
+                 dilation=dilation, groups=x.shape[1])[0].T
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(x.dtype), hist[hist.shape[0] - lc:], [hist[off:off + lc] for off in boundaries]

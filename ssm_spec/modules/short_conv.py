@@ -1,0 +1,77 @@
+"""``RecoverShortConv``: the (dilated) causal depthwise short conv as a RecoverSSM layer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..metadata import RecoverSSMMetadata
+from ..pools import ConvStateSpec, StatePool
+from .prefill import conv_prefill_row
+
+__all__ = ["RecoverShortConv", "run_short_conv"]
+
+
+def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetadata, dilation, activation):
+    """The conv of one layer over a mixed step: verify rows through ``short_conv_verify``
+    (state read only, inputs recorded in ``rec_x``), prefill rows through
+    :func:`conv_prefill_row` (final and boundary states written). Returns ``[T, C]``."""
+    T = metadata.num_tokens
+    out = torch.empty_like(x)
+    if metadata.has_verify:
+        if metadata.fresh_slots.numel():
+            conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
+        torch.ops.ssm_spec.short_conv_verify(x, weight, bias, conv_state, metadata.verify_indices,
+                                             metadata.query_start_loc, out, rec_x[:T], dilation, activation)
+    for row in metadata.prefill_rows:
+        init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
+        y, final, bounds = conv_prefill_row(x[row.bos:row.eos], weight, bias, init, dilation, activation,
+                                            [off for off, _ in row.boundaries])
+        out[row.bos:row.eos] = y
+        for (_, slot), state in zip(row.boundaries, bounds):
+            conv_state[slot] = state
+        conv_state[row.dst] = final
+    return out
+
+
+class RecoverShortConv(nn.Module):
+    """The PLE dilated short conv: ``y_t = act(bias + sum_j w[:, j] * x_{t-(ks-1-j)*D})``.
+
+    Parameters follow ``nn.Conv1d`` (depthwise): ``weight [C, 1, kernel_size]``, ``bias [C]``.
+    Its state is the last ``(kernel_size - 1) * dilation`` inputs, held in a
+    :class:`~ssm_spec.StatePool`; verify rows read it and record their inputs, the commit
+    compacts it (DESIGN.md sections 1, 2).
+
+    Args:
+        channels: ``C``. kernel_size: taps (>= 1). dilation: ``D`` (>= 1).
+        activation: ``"silu"`` or ``"none"``. bias: learn a bias.
+
+    Raises:
+        ValueError: on a bad size, dilation or activation.
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilation: int = 1, activation: str = "silu",
+                 bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        if channels < 1 or kernel_size < 1 or dilation < 1:
+            raise ValueError(f"RecoverShortConv: channels={channels}, kernel_size={kernel_size}, "
+                             f"dilation={dilation}; expected all >= 1")
+        if activation not in ("silu", "none"):
+            raise ValueError(f"RecoverShortConv: activation: got {activation!r}; expected 'silu' or 'none'")
+        self.channels, self.kernel_size, self.dilation, self.activation = channels, kernel_size, dilation, activation
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(channels, device=device, dtype=dtype)) if bias else None
+        bound = 1 / math.sqrt(kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def state_specs(self):
+        return [("conv", ConvStateSpec((self.kernel_size - 1) * self.dilation, self.channels))]
+
+    def forward(self, x: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
+        """``x [T, C]`` -> ``[T, C]`` for the step described by ``metadata``."""
+        return run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
+                              pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation)

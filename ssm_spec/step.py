@@ -1,0 +1,82 @@
+"""``commit``: after sampling, commit every verify row of every layer in one launch per group.
+
+The plan (source, destination and boundary slots per row) is computed on the device from the
+step's metadata and the accepted counts, so no host sync sits between sampling and commit
+(DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metadata import RecoverSSMMetadata
+from .ops import NULL_SLOT
+from .ops._validate import count_values, should_validate, window_bounds
+from .pools import StatePool
+
+__all__ = ["commit", "plan_commit"]
+
+
+def plan_commit(metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor):
+    """``(src, dst, boundary_indices, boundary_offsets)`` int32 device tensors for the commit.
+
+    Without align mode every verify row commits in place (``dst = src``) with no boundaries.
+    In align mode (DESIGN.md section 5) the final state goes to the block of the last
+    accepted token, column ``(num_computed + n - 1) // block_size``, and every boundary
+    ``p`` crossed (``1 <= (p + 1) * block_size - num_computed <= n``) gets its state; a column
+    past the table is skipped (validation rejected it when the metadata was built).
+    """
+    src = metadata.verify_indices
+    B = metadata.num_rows
+    n = num_accepted_tokens.to(torch.int32)
+    if not metadata.align:
+        empty = torch.empty((B, 0), dtype=torch.int32, device=src.device)
+        return src, src, empty, empty
+    bs = metadata.block_size
+    table = metadata.block_table
+    ncols = table.shape[1]
+    nc = metadata.num_computed_tokens
+    last = (nc + n - 1).clamp_min(0) // bs
+    dst = table.gather(1, last.clamp_max(max(ncols - 1, 0)).long()[:, None])[:, 0]
+    dst = torch.where((n > 0) & (last < ncols), dst, torch.full_like(dst, NULL_SLOT))
+    nbd = metadata.max_window // bs + 1
+    col = (nc // bs)[:, None] + torch.arange(nbd, dtype=torch.int32, device=src.device)[None, :]
+    offsets = (col + 1) * bs - nc[:, None]
+    bidx = table.gather(1, col.clamp_max(max(ncols - 1, 0)).long())
+    bidx = torch.where(col < ncols, bidx, torch.full_like(bidx, NULL_SLOT))
+    return src, dst.to(torch.int32), bidx.to(torch.int32), offsets.to(torch.int32)
+
+
+def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor,
+           validate: bool | None = None) -> None:
+    """Commit the accepted tokens of every verify row into every layer's states.
+
+    One grouped ``gdn_commit`` launch per GDN state group and one ``short_conv_commit`` per
+    conv shape group; prefill and padding rows take no part.
+
+    Args:
+        pool: the :class:`~ssm_spec.StatePool` the step's layers verified against.
+        metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
+        num_accepted_tokens: ``[B]`` int32 on the device, ``0 <= n[b] <= window length``
+            (``0``: a discarded step, nothing written).
+        validate: check the counts on the host (``None``: in eager mode only).
+
+    Raises:
+        ValueError: a count outside its window (with validation on); nothing is written.
+    """
+    if should_validate(validate, "commit"):
+        if num_accepted_tokens.shape != (metadata.num_rows,):
+            raise ValueError(f"commit: num_accepted_tokens: got shape {list(num_accepted_tokens.shape)}; "
+                             f"expected [{metadata.num_rows}]")
+        count_values("commit", num_accepted_tokens, window_bounds("commit", metadata.query_start_loc,
+                                                                  metadata.num_tokens))
+    if not metadata.has_verify:
+        return
+    src, dst, bidx, boff = plan_commit(metadata, num_accepted_tokens)
+    n = num_accepted_tokens.to(torch.int32)
+    T = metadata.num_tokens
+    qsl = metadata.query_start_loc
+    for state, records in pool.gdn_groups.values():
+        torch.ops.ssm_spec.gdn_commit(state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
+    for state, rec_x in pool.conv_groups.values():
+        torch.ops.ssm_spec.short_conv_commit(state, rec_x[:, :T], qsl, src, n, dst, bidx, boff)

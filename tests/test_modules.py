@@ -1,0 +1,237 @@
+"""Modules, pool, metadata and the step commit (CPU; the same files run on CUDA)."""
+
+import pytest
+import torch
+import transformers  # the dev extra installs it: a missing one must fail, not skip
+
+from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
+from tests.helpers import i32, rel_err, same_bits
+
+
+def _hf_layer(layout, seed=0):
+    torch.manual_seed(seed)
+    common = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                  layer_types=["linear_attention"])
+    if layout == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+        hf = Qwen3NextGatedDeltaNet(transformers.Qwen3NextConfig(**common), 0)
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        cfg = transformers.Qwen3_5TextConfig(**common)
+        hf = Qwen3_5GatedDeltaNet(cfg, 0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(std=0.3)
+        hf.A_log.uniform_(-1, 1)
+    return hf.eval()
+
+
+def _decode(layer, pool, x, prompt, steps, device, slot=1):
+    """Prefill ``prompt`` tokens, then decode one token per step (verify + commit n=1)."""
+    S = pool.num_slots
+    md = RecoverSSMMetadata.build([prompt], [True], [0], [slot], num_slots=S, device=device)
+    outs = [layer(x[:prompt], md, pool)]
+    for t in range(steps):
+        md = RecoverSSMMetadata.build([1], [False], [prompt + t], [slot], num_slots=S, device=device)
+        outs.append(layer(x[prompt + t : prompt + t + 1], md, pool))
+        commit(pool, md, i32([1], device))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_from_hf_prefill_and_32_decode_steps_match_hf(device, layout):
+    hf = _hf_layer(layout).to(device)
+    layer = RecoverGatedDeltaNet.from_hf(hf)
+    assert layer.layout == layout and layer.out_proj is hf.out_proj  # shared weights
+    x = torch.randn(1, 12 + 32, 32, device=device)
+    with torch.no_grad():
+        ref = hf(x)[0]
+        pool = StatePool([layer], num_slots=3, max_tokens=16, device=device)
+        got = _decode(layer, pool, x[0], 12, 32, device)
+    assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_state_dict_loads_directly(layout):
+    hf = _hf_layer(layout)
+    fresh = RecoverGatedDeltaNet(32, 2, 4, 8, 6, layout=layout)
+    fresh.load_state_dict(hf.state_dict())
+    x = torch.randn(1, 9, 32)
+    with torch.no_grad():
+        pool = StatePool([fresh], num_slots=2, max_tokens=16)
+        md = RecoverSSMMetadata.build([9], [True], [0], [0], num_slots=2)
+        assert rel_err(fresh(x[0], md, pool), hf(x)[0]) < 1e-5
+
+
+def test_speculative_windows_with_random_acceptance_match_hf(device):
+    """Verify windows of W tokens whose drafts may be wrong; commit a random prefix; the kept
+    outputs equal Hugging Face's on the accepted sequence (0, 1 and W accepted included)."""
+    hf = _hf_layer("qwen3_next", seed=1).to(device)
+    layer = RecoverGatedDeltaNet.from_hf(hf)
+    W, steps = 4, 24
+    gen = torch.Generator().manual_seed(5)
+    pool = StatePool([layer], num_slots=2, max_tokens=16, device=device)
+    prompt = torch.randn(7, 32, generator=gen).to(device)
+    accepted = [prompt]
+    kept = []
+    with torch.no_grad():
+        md = RecoverSSMMetadata.build([7], [True], [0], [0], num_slots=2, device=device)
+        kept.append(layer(prompt, md, pool))
+        done = 7
+        for step in range(steps):
+            window = torch.randn(W, 32, generator=gen).to(device)
+            n = [0, 1, W, 2][step % 4] if step < 4 else int(torch.randint(0, W + 1, (1,), generator=gen))
+            md = RecoverSSMMetadata.build([W], [False], [done], [0], num_slots=2, device=device)
+            out = layer(window, md, pool)
+            commit(pool, md, i32([n], device))
+            kept.append(out[:n])
+            accepted.append(window[:n])
+            done += n
+        ref = hf(torch.cat(accepted)[None])[0]
+    assert rel_err(torch.cat(kept), ref) < 1e-5
+
+
+def _stack(seed=0):
+    torch.manual_seed(seed)
+    layers = [RecoverGatedDeltaNet(16, 2, 4, 8, 4, layout="qwen3_next"), RecoverShortConv(16, 3, dilation=2, bias=True),
+              RecoverGatedDeltaNet(16, 1, 2, 8, 8, layout="qwen3_5")]
+    with torch.no_grad():
+        for layer in layers:
+            for p in layer.parameters():
+                p.normal_(std=0.3)
+            if hasattr(layer, "A_log"):
+                layer.A_log.uniform_(-1, 1)
+    return layers
+
+
+def _run(layers, x, md, pool):
+    for layer in layers:
+        x = x + layer(x, md, pool)
+    return x
+
+
+def test_mixed_batch_any_order_equals_unpermuted(device):
+    """Prefill and verify rows in any order (a 1-token row between verifying rows, a final
+    prefill chunk of length 1): every row's outputs and states do not depend on the order."""
+    layers = [m.to(device) for m in _stack()]
+    gen = torch.Generator().manual_seed(2)
+    rows = [  # (tokens, is_prefill, num_computed, slot)
+        (5, True, 0, 0), (1, False, 3, 1), (4, False, 6, 2), (1, True, 9, 3), (3, False, 2, 4)]
+    x = {i: torch.randn(r[0], 16, generator=gen).to(device) for i, r in enumerate(rows)}
+
+    def run(order):
+        pool = StatePool(layers, num_slots=6, max_tokens=32, device=device)
+        g2 = torch.Generator().manual_seed(9)
+        for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
+            state.copy_(torch.randn(state.shape, generator=g2).to(device) * 0.3)
+        md = RecoverSSMMetadata.build([rows[i][0] for i in order], [rows[i][1] for i in order],
+                                      [rows[i][2] for i in order], [rows[i][3] for i in order],
+                                      num_slots=6, device=device)
+        with torch.no_grad():
+            out = _run(layers, torch.cat([x[i] for i in order]), md, pool)
+            commit(pool, md, i32([min(2, rows[i][0]) for i in order], device))
+        split = dict(zip(order, torch.split(out, [rows[i][0] for i in order])))
+        return split, pool
+
+    a, pool_a = run([0, 1, 2, 3, 4])
+    b, pool_b = run([2, 0, 4, 3, 1])
+    for i in range(len(rows)):
+        assert rel_err(a[i], b[i]) < 1e-6
+    for (sa, _), (sb, _) in zip((*pool_a.gdn_groups.values(), *pool_a.conv_groups.values()),
+                                (*pool_b.gdn_groups.values(), *pool_b.conv_groups.values())):
+        assert rel_err(sa, sb) < 1e-6
+
+
+def test_discarded_step_and_padding_rows_touch_nothing(device):
+    layers = [m.to(device) for m in _stack(3)]
+    pool = StatePool(layers, num_slots=8, max_tokens=32, device=device)
+    for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
+        state.normal_()
+    before = [s.clone() for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values())]
+    # a batch of 5 rows padded to 8; slot 0 is a real row's slot
+    md = RecoverSSMMetadata.build([4] * 5 + [0] * 3, [False] * 8, [7] * 8, [0, 2, 4, 5, 6, -1, -1, -1],
+                                  num_slots=8, device=device)
+    with torch.no_grad():
+        _run(layers, torch.randn(20, 16, device=device), md, pool)
+    commit(pool, md, i32([0] * 8, device))  # every row discards its step
+    for s, b in zip((s for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values())), before):
+        assert same_bits(s, b)
+    commit(pool, md, i32([1, 0, 4, 0, 2, 0, 0, 0], device))
+    for s, b in zip((s for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values())), before):
+        assert same_bits(s[:, [1, 2, 3, 5, 7]], b[:, [1, 2, 3, 5, 7]])  # n = 0 rows and unused slots
+        assert not any(same_bits(s[:, i], b[:, i]) for i in (0, 4, 6))
+
+
+def test_commit_uses_the_metadata_slots_even_if_the_caller_mutates_its_tensors(device):
+    layers = [m.to(device) for m in _stack(4)]
+    pool = StatePool(layers, num_slots=4, max_tokens=16, device=device)
+    slots = i32([1, 2], device)
+    md = RecoverSSMMetadata.build([3, 3], [False, False], [5, 5], slots, num_slots=4, device=device)
+    with torch.no_grad():
+        _run(layers, torch.randn(6, 16, device=device), md, pool)
+    slots.fill_(3)
+    commit(pool, md, i32([2, 3], device))
+    for state, _ in pool.gdn_groups.values():
+        assert state[:, 3].abs().sum() == 0 and state[:, 1].abs().sum() > 0
+
+
+def test_metadata_rejects_malformed_steps():
+    build = RecoverSSMMetadata.build
+    with pytest.raises(ValueError, match="state_indices"):
+        build([2, 2], [False, False], [1, 1], [3, 3])  # two rows, one slot
+    with pytest.raises(ValueError, match="state_indices"):
+        build([2], [False], [1], [-1])  # padding row with tokens
+    with pytest.raises(ValueError, match="state_indices"):
+        build([2], [False], [1], [9], num_slots=4)
+    with pytest.raises(ValueError, match="block_table"):
+        build([4], [False], [6], block_size=4, block_table=[[1, -1]])  # the window may reach column 2
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        build([1], [False], [1, 2], [0])
+
+
+# ----------------------------------------------------------------------------- align mode
+
+
+def _align_run(device, block_size, nc, W, n, ncols=12):
+    """One GDN + conv stack: a verify window of W tokens at ``nc`` committed tokens, commit n;
+    compare every written block with the state after that many tokens (reference chain)."""
+    layers = [m.to(device) for m in _stack(6)]
+    S = ncols + 1
+    gen = torch.Generator().manual_seed(nc * 31 + n)
+    pool = StatePool(layers, num_slots=S, max_tokens=32, device=device)
+    x = torch.randn(nc + W, 16, generator=gen).to(device)
+    table = [list(range(1, ncols + 1))]
+    with torch.no_grad():
+        # prefill nc tokens in align mode (boundary states written), then verify the window
+        md = RecoverSSMMetadata.build([nc], [True], [0], block_size=block_size, block_table=table,
+                                      num_slots=S, device=device)
+        _run(layers, x[:nc], md, pool)
+        md = RecoverSSMMetadata.build([W], [False], [nc], block_size=block_size, block_table=table,
+                                      num_slots=S, device=device)
+        _run(layers, x[nc:], md, pool)
+        commit(pool, md, i32([n], device))
+        # reference: a plain (non-align) pool prefilled with every length
+        for length in range(1, nc + n + 1):
+            if length % block_size and length != nc + n:
+                continue
+            ref_pool = StatePool(layers, num_slots=1, max_tokens=64, device=device)
+            _run(layers, x[:length], RecoverSSMMetadata.build([length], [True], [0], [0], device=device), ref_pool)
+            col = (length - 1) // block_size
+            for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                                      (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
+                assert rel_err(s[:, table[0][col]], r[:, 0]) < 1e-5, (length, col)
+
+
+@pytest.mark.parametrize("block_size,nc,W,n", [
+    (4, 8, 4, 4),   # window ends exactly on a boundary
+    (4, 6, 4, 3),   # crosses one boundary
+    (1, 5, 4, 4),   # block_size 1: a boundary after every token
+    (2, 5, 5, 5),   # several boundaries in one window
+    (8, 2, 4, 2),   # checkpoint and final state in one block
+    (4, 6, 4, 0),   # nothing accepted
+])
+def test_align_mode_blocks(device, block_size, nc, W, n):
+    _align_run(device, block_size, nc, W, n)
