@@ -181,7 +181,9 @@ class RecoverSSMMetadata:
                         _fail(f"block_table[{b}, {col}]", "the null slot", "a slot (the step may write it)")
                     claim(f"block_table[{b}, {col}]", row[col], b)
                 checkpoint = row[first]
-                if pre[b]:
+                if pre[b] and lens[b] == 0:  # an empty window writes nothing
+                    verify_idx.append(NULL_SLOT)
+                elif pre[b]:
                     bounds = tuple(((p + 1) * bs - nc, row[p]) for p in range(nc // bs, (nc + lens[b]) // bs)
                                    if 1 <= (p + 1) * bs - nc <= lens[b])
                     dst = row[(nc + lens[b] - 1) // bs] if lens[b] else checkpoint
@@ -201,7 +203,9 @@ class RecoverSSMMetadata:
                     bos = eos
                     continue
                 claim(f"state_indices[{b}]", slot, b)
-                if pre[b]:
+                if pre[b] and lens[b] == 0:  # an empty window writes nothing
+                    verify_idx.append(NULL_SLOT)
+                elif pre[b]:
                     prefill_rows.append(PrefillRow(b, bos, eos, slot if nct[b] > 0 else NULL_SLOT, slot))
                     verify_idx.append(NULL_SLOT)
                 else:

@@ -135,7 +135,7 @@ class RecoverGatedDeltaNet(nn.Module):
             q, k, v, z = torch.split(qkvz, [K, K, g * V, g * V], dim=-1)
             ba = self.in_proj_ba(hidden).view(T, H, 2 * g)
             b, a = torch.split(ba, [g, g], dim=-1)
-            mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+            mixed = torch.cat([q.reshape(T, H * K), k.reshape(T, H * K), v.reshape(T, HV * V)], dim=-1)
             return mixed, z.reshape(T, HV, V), b.reshape(T, HV), a.reshape(T, HV)
         z = self.in_proj_z(hidden).view(T, HV, V)
         return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
