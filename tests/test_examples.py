@@ -1,0 +1,19 @@
+"""The examples run and check themselves."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_qwen_fork_speculative_tokens_equal_greedy(capsys):
+    example = _load("custom_qwen_fork")
+    assert example.main(["--tokens", "40", "--k", "3", "--seed", "3"]) == 0
+    assert "identical  : True" in capsys.readouterr().out
