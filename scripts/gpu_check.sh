@@ -10,6 +10,11 @@ OUT=${OUT:-/tmp/ssm_spec_gpu}
 mkdir -p "$OUT"
 export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=${*:-tests bench}
+# carried wheels (fla-core for the chunked prefill): name .whl in the device tool's carry
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"

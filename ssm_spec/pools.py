@@ -58,6 +58,10 @@ class StatePool:
         dtype: recurrent state dtype, ``torch.float32`` or ``torch.bfloat16``.
         conv_dtype: conv state dtype (default ``dtype``).
         device: where every tensor lives.
+        snapshot: the native protocol instead of RecoverSSM (the one switch that lets tests
+            and benchmarks compare both on one model): verify writes the state after every
+            window token into a per-token scratch slot (``num_slots + t``, plus one dummy
+            slot), and :func:`ssm_spec.commit` copies the accepted one back.
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
@@ -68,13 +72,14 @@ class StatePool:
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
-                 conv_dtype=None, device=None):
+                 conv_dtype=None, device=None, snapshot: bool = False):
         if num_slots < 1 or max_tokens < 1:
             raise ValueError(f"StatePool: num_slots={num_slots}, max_tokens={max_tokens}; expected >= 1")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"StatePool: dtype: got {dtype}; expected torch.float32 or torch.bfloat16")
         self.num_slots = int(num_slots)
         self.max_tokens = int(max_tokens)
+        self.snapshot = bool(snapshot)
         self.dtype = dtype
         self.conv_dtype = conv_dtype or dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -87,7 +92,9 @@ class StatePool:
                 group = groups.setdefault(spec, _Group(spec))
                 self._where.setdefault(id(layer), {})[kind] = (spec, len(group.members))
                 group.members.append(layer)
-        S, T, dev = self.num_slots, self.max_tokens, self.device
+        T, dev = self.max_tokens, self.device
+        S = self.num_slots + (T + 1 if self.snapshot else 0)  # scratch slots and one dummy
+        self._token_slots = torch.arange(self.num_slots, self.num_slots + T, dtype=torch.int32, device=dev)
         for spec, group in self._gdn.items():
             nl, hv, h, k, v = len(group.members), spec.num_v_heads, spec.num_k_heads, spec.head_k_dim, spec.head_v_dim
             group.state = torch.zeros((nl, S, hv, k, v), dtype=dtype, device=dev)
@@ -126,6 +133,15 @@ class StatePool:
         """``[num_tokens, C]`` view of ``layer``'s recorded conv inputs."""
         group, i = self._locate(layer, "conv")
         return group.records[i, :num_tokens]
+
+    def snapshot_slots(self, num_tokens: int) -> torch.Tensor:
+        """Snapshot mode: ``[num_tokens]`` int32, the scratch slot of each token (a view)."""
+        return self._token_slots[:num_tokens]
+
+    @property
+    def dummy_slot(self) -> int:
+        """Snapshot mode: a scratch slot no token uses (a harmless copy target)."""
+        return self.num_slots + self.max_tokens
 
     @property
     def gdn_groups(self):

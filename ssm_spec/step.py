@@ -47,6 +47,22 @@ def plan_commit(metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor)
     return src, dst.to(torch.int32), bidx.to(torch.int32), offsets.to(torch.int32)
 
 
+def _commit_snapshots(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens):
+    """The native protocol's commit: copy the snapshot of each row's last accepted token into
+    its slot (rows accepting nothing, prefill and padding rows copy the dummy slot onto
+    itself)."""
+    if metadata.align:
+        raise ValueError("commit: snapshot mode supports no align mode (no block tables)")
+    src = metadata.verify_indices.long()
+    n = num_accepted_tokens.long()
+    take = (src >= 0) & (n > 0)
+    dummy = torch.full_like(src, pool.dummy_slot)
+    scratch = torch.where(take, pool.num_slots + metadata.query_start_loc[:-1].long() + n - 1, dummy)
+    target = torch.where(take, src, dummy)
+    for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
+        state.index_copy_(1, target, state.index_select(1, scratch))
+
+
 def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor,
            validate: bool | None = None) -> None:
     """Commit the accepted tokens of every verify row into every layer's states.
@@ -71,6 +87,9 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         count_values("commit", num_accepted_tokens, window_bounds("commit", metadata.query_start_loc,
                                                                   metadata.num_tokens))
     if not metadata.has_verify:
+        return
+    if pool.snapshot:
+        _commit_snapshots(pool, metadata, num_accepted_tokens)
         return
     src, dst, bidx, boff = plan_commit(metadata, num_accepted_tokens)
     n = num_accepted_tokens.to(torch.int32)

@@ -235,3 +235,90 @@ def _align_run(device, block_size, nc, W, n, ncols=12):
 ])
 def test_align_mode_blocks(device, block_size, nc, W, n):
     _align_run(device, block_size, nc, W, n)
+
+
+def test_recoverssm_and_snapshot_modes_decode_the_same(device):
+    """The native per-draft protocol (StatePool(snapshot=True)) and RecoverSSM, on one stack,
+    over 40 steps of two rows with random windows and acceptance (0, 1 and W included)."""
+    layers = [m.to(device) for m in _stack(8)]
+    W = 4
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randn(6, 16, generator=gen).to(device), torch.randn(3, 16, generator=gen).to(device)]
+    windows = [torch.randn(2 * W, 16, generator=gen).to(device) for _ in range(40)]
+    counts = [[0, W], [1, 0], [W, 1]] + [torch.randint(0, W + 1, (2,), generator=gen).tolist() for _ in range(37)]
+    results = []
+    for snapshot in (False, True):
+        pool = StatePool(layers, num_slots=4, max_tokens=16, device=device, snapshot=snapshot)
+        outs = []
+        with torch.no_grad():
+            md = RecoverSSMMetadata.build([6, 3], [True, True], [0, 0], [1, 3], num_slots=4, device=device)
+            outs.append(_run(layers, torch.cat(prompts), md, pool))
+            done = [6, 3]
+            for step in range(40):
+                md = RecoverSSMMetadata.build([W, W], [False, False], done, [1, 3], num_slots=4, device=device)
+                outs.append(_run(layers, windows[step], md, pool))
+                commit(pool, md, i32(counts[step], device))
+                done = [d + n for d, n in zip(done, counts[step])]
+        results.append((torch.cat(outs), [s[:, [1, 3]].clone() for s, _ in
+                                          (*pool.gdn_groups.values(), *pool.conv_groups.values())]))
+    (out_r, states_r), (out_s, states_s) = results
+    assert rel_err(out_s, out_r) < 1e-6
+    for a, b in zip(states_r, states_s):
+        if device.type == "cpu":  # the same backend's snapshot and commit: bit for bit
+            assert torch.equal(a, b)
+        assert rel_err(a, b) < 1e-6
+
+
+def test_ragged_windows_strided_slots_and_a_plain_decode_after_drafts(device):
+    """Windows of 2, 4 and 3 tokens (k = 3) in one batch, slots given as a strided column of a
+    2-D table; then a step without drafts (one token) reads the committed state."""
+    layers = [m.to(device) for m in _stack(10)]
+    gen = torch.Generator().manual_seed(4)
+    hist = [torch.randn(20, 16, generator=gen).to(device) for _ in range(3)]
+    table = i32([[2, 7], [0, 7], [5, 7]], device)
+    slots = table[:, 0]
+    assert not slots.is_contiguous()
+    pool = StatePool(layers, num_slots=6, max_tokens=32, device=device)
+    with torch.no_grad():
+        md = RecoverSSMMetadata.build([5, 5, 5], [True] * 3, [0] * 3, slots, num_slots=6, device=device)
+        _run(layers, torch.cat([h[:5] for h in hist]), md, pool)
+        md = RecoverSSMMetadata.build([2, 4, 3], [False] * 3, [5] * 3, slots, num_slots=6, device=device)
+        _run(layers, torch.cat([hist[0][5:7], hist[1][5:9], hist[2][5:8]]), md, pool)
+        counts = [2, 4, 1]
+        commit(pool, md, i32(counts, device))
+        md = RecoverSSMMetadata.build([1] * 3, [False] * 3, [5 + n for n in counts], slots, num_slots=6,
+                                      device=device)
+        out = _run(layers, torch.cat([h[5 + n:6 + n] for h, n in zip(hist, counts)]), md, pool)
+        commit(pool, md, i32([1, 1, 1], device))
+        for b, n in enumerate(counts):
+            ref_pool = StatePool(layers, num_slots=1, max_tokens=32, device=device)
+            ref = _run(layers, hist[b][:6 + n], RecoverSSMMetadata.build([6 + n], [True], [0], [0], device=device),
+                       ref_pool)
+            assert rel_err(out[b], ref[-1]) < 1e-5
+            slot = int(table[b, 0])
+            for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                                      (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
+                assert rel_err(s[:, slot], r[:, 0]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_commit_is_one_launch_per_group():
+    """Three GDN layers of one shape and two conv shapes: three commit kernels in all."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    layers = [RecoverGatedDeltaNet(16, 2, 4, 8, 4).to(device) for _ in range(3)]
+    layers.append(RecoverShortConv(16, 3, dilation=2).to(device))
+    pool = StatePool(layers, num_slots=4, max_tokens=16, device=device)
+    md = RecoverSSMMetadata.build([4, 4], [False, False], [3, 3], [0, 2], num_slots=4, device=device)
+    with torch.no_grad():
+        _run(layers, torch.randn(8, 16, device=device), md, pool)
+    n = i32([2, 4], device)
+    commit(pool, md, n)  # warm up (compiles the kernels)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        commit(pool, md, n, validate=False)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("gdn_commit_kernel" in x for x in names) == 1
+    assert sum("short_conv_commit_kernel" in x for x in names) == 2  # GDN's qkv conv + the PLE conv

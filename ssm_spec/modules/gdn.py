@@ -146,7 +146,7 @@ class RecoverGatedDeltaNet(nn.Module):
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)
         conv_out = run_short_conv(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, pool.conv_state(self),
-                                  pool.conv_record(self, pool.max_tokens), metadata, 1, "silu")
+                                  pool.conv_record(self, pool.max_tokens), metadata, 1, "silu", pool)
         q = conv_out[:, : self.key_dim].unflatten(1, (H, K))
         k = conv_out[:, self.key_dim : 2 * self.key_dim].unflatten(1, (H, K))
         v = conv_out[:, 2 * self.key_dim :].unflatten(1, (HV, V))
@@ -158,9 +158,14 @@ class RecoverGatedDeltaNet(nn.Module):
         if metadata.has_verify:
             if metadata.fresh_slots.numel():
                 state.index_fill_(0, metadata.fresh_slots.long(), 0)
-            rec = pool.gdn_record(self, T)
-            torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, metadata.verify_indices,
-                                          metadata.query_start_loc, core, rec.u, rec.k, rec.decay, scale, True)
+            if pool.snapshot:  # the native path: a state write per window token
+                torch.ops.ssm_spec.gdn_snapshot_verify(q, k, v, g, beta, state, metadata.verify_indices,
+                                                       metadata.query_start_loc, pool.snapshot_slots(T), core,
+                                                       scale, True)
+            else:
+                rec = pool.gdn_record(self, T)
+                torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, metadata.verify_indices,
+                                              metadata.query_start_loc, core, rec.u, rec.k, rec.decay, scale, True)
         for row in metadata.prefill_rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)

@@ -14,17 +14,36 @@ from .prefill import conv_prefill_row
 __all__ = ["RecoverShortConv", "run_short_conv"]
 
 
-def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetadata, dilation, activation):
+def token_snapshot_plan(metadata: RecoverSSMMetadata, pool: StatePool):
+    """Snapshot mode: ``(n, boundary_indices, boundary_offsets)`` that make a commit write the
+    state after every window token into the token's scratch slot (device tensors)."""
+    qsl = metadata.query_start_loc
+    bos, lens = qsl[:-1], qsl[1:] - qsl[:-1]
+    j = torch.arange(metadata.max_window, dtype=torch.int32, device=qsl.device)[None, :]
+    idx = torch.where(j < lens[:, None], pool.num_slots + bos[:, None] + j, torch.full_like(j, -1))
+    return lens.to(torch.int32), idx.to(torch.int32), (j + 1).expand_as(idx).to(torch.int32).contiguous()
+
+
+def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetadata, dilation, activation,
+                   pool: StatePool | None = None):
     """The conv of one layer over a mixed step: verify rows through ``short_conv_verify``
-    (state read only, inputs recorded in ``rec_x``), prefill rows through
+    (state read only, inputs recorded in ``rec_x``; in the pool's snapshot mode the state after
+    every token is also written to its scratch slot), prefill rows through
     :func:`conv_prefill_row` (final and boundary states written). Returns ``[T, C]``."""
     T = metadata.num_tokens
     out = torch.empty_like(x)
+    if pool is not None and pool.snapshot and metadata.align:
+        raise ValueError("snapshot mode (StatePool(snapshot=True)) supports no align mode")
     if metadata.has_verify:
         if metadata.fresh_slots.numel():
             conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
         torch.ops.ssm_spec.short_conv_verify(x, weight, bias, conv_state, metadata.verify_indices,
                                              metadata.query_start_loc, out, rec_x[:T], dilation, activation)
+        if pool is not None and pool.snapshot:
+            n, idx, off = token_snapshot_plan(metadata, pool)
+            none = torch.full_like(n, -1)
+            torch.ops.ssm_spec.short_conv_commit(conv_state, rec_x[:T], metadata.query_start_loc,
+                                                 metadata.verify_indices, n, none, idx, off)
     for row in metadata.prefill_rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
         y, final, bounds = conv_prefill_row(x[row.bos:row.eos], weight, bias, init, dilation, activation,
@@ -74,4 +93,5 @@ class RecoverShortConv(nn.Module):
     def forward(self, x: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
         """``x [T, C]`` -> ``[T, C]`` for the step described by ``metadata``."""
         return run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
-                              pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation)
+                              pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
+                              pool)
