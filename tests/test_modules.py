@@ -322,3 +322,30 @@ def test_commit_is_one_launch_per_group():
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("gdn_commit_kernel" in x for x in names) == 1
     assert sum("short_conv_commit_kernel" in x for x in names) == 2  # GDN's qkv conv + the PLE conv
+
+
+def test_stack_decodes_256_tokens_with_random_acceptance(device):
+    """256 accepted tokens, a random count every step (0, 1 and W included): the outputs of
+    accepted tokens and the final states equal one prefill over the accepted sequence."""
+    layers = [m.to(device) for m in _stack(12)]
+    W = 4
+    gen = torch.Generator().manual_seed(21)
+    pool = StatePool(layers, num_slots=2, max_tokens=16, device=device)
+    accepted, kept, done = [], [], 0
+    with torch.no_grad():
+        while done < 256:
+            window = torch.randn(W, 16, generator=gen).to(device)
+            n = min(int(torch.randint(0, W + 1, (1,), generator=gen)), 256 - done)
+            md = RecoverSSMMetadata.build([W], [False], [done], [1], num_slots=2, device=device)
+            out = _run(layers, window, md, pool)
+            commit(pool, md, i32([n], device))
+            kept.append(out[:n])
+            accepted.append(window[:n])
+            done += n
+        ref_pool = StatePool(layers, num_slots=1, max_tokens=256, device=device)
+        ref = _run(layers, torch.cat(accepted), RecoverSSMMetadata.build([256], [True], [0], [0], device=device),
+                   ref_pool)
+    assert rel_err(torch.cat(kept), ref) < 1e-5
+    for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                              (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
+        assert rel_err(s[:, 1], r[:, 0]) < 1e-5
