@@ -49,8 +49,9 @@ class RecoverSSMMetadata:
     Device tensors (int32 unless noted):
         query_start_loc ``[B + 1]``; is_prefill ``[B]`` bool; num_computed_tokens ``[B]``;
         verify_indices ``[B]``: the checkpoint slot each verify row reads (``NULL_SLOT`` for
-        prefill and padding rows: the commit skips them); fresh_slots ``[F]``: checkpoints of
-        verify rows admitted this step (zeroed by the layers before they verify);
+        prefill, padding and empty fresh rows: the commit skips them); fresh_slots ``[F]``:
+        checkpoints of verify rows admitted this step (zeroed by the layers before they
+        verify);
         block_table ``[B, ncols]`` (align mode only).
 
     Host values:
@@ -70,6 +71,13 @@ class RecoverSSMMetadata:
     block_size: int | None
     max_window: int
     prefill_rows: tuple[PrefillRow, ...]
+    max_slot: int = NULL_SLOT
+
+    def check_pool(self, num_slots: int) -> None:
+        """Raise ``ValueError`` (before anything is written) if the step references a slot the
+        pool does not have; the layers call it with their pool's slot count."""
+        if self.max_slot >= num_slots:
+            _fail("slots", f"slot {self.max_slot}", f"slots < the pool's {num_slots}")
 
     @property
     def align(self) -> bool:
@@ -112,8 +120,10 @@ class RecoverSSMMetadata:
 
         Raises:
             ValueError: naming the argument: inconsistent lengths, a padding row with tokens,
-                two rows sharing a slot, a slot out of range, or (align mode) a column the step
-                could need that lies past the row's table or is null.
+                a slot that two rows write or that one row writes and another reads (rows may
+                share a read-only checkpoint block), a slot out of range, or (align mode) a
+                column the step may read or write that lies past the row's table, is null, or
+                repeats a slot of the same step.
         """
         B = len(query_lens)
         lens = [int(n) for n in query_lens]
@@ -151,66 +161,86 @@ class RecoverSSMMetadata:
             if num_slots is not None and slot >= num_slots:
                 _fail(arg, slot, f"a slot < num_slots = {num_slots}")
 
-        owner: dict[int, int] = {}
+        writers: dict[int, int] = {}
+        readers: dict[int, set] = {}
 
-        def claim(arg, slot, row):
+        def claim_write(arg, slot, row):
+            """A slot the row may write: no other row may write or read it."""
             check_slot(arg, slot)
-            if owner.setdefault(slot, row) != row:
-                _fail(arg, f"slot {slot}", f"a slot of this row only (row {owner[slot]} uses it too)")
+            if writers.setdefault(slot, row) != row:
+                _fail(arg, f"slot {slot}", f"a slot no other row writes (row {writers[slot]} does)")
+            others = readers.get(slot, set()) - {row}
+            if others:
+                _fail(arg, f"slot {slot}", f"not another row's checkpoint (row {min(others)} reads it)")
+
+        def claim_read(arg, slot, row):
+            """A checkpoint the row only reads: rows may share it (a cached prefix block)."""
+            check_slot(arg, slot)
+            if writers.get(slot, row) != row:
+                _fail(arg, f"slot {slot}", f"a checkpoint no other row writes (row {writers[slot]} does)")
+            readers.setdefault(slot, set()).add(row)
+
+        def column(b, col, why):
+            if col >= ncols:
+                _fail(f"block_table[{b}]", f"{ncols} columns", f"a column {col} ({why}; block_size {bs})")
+            if table[b][col] < 0:
+                _fail(f"block_table[{b}, {col}]", "the null slot", f"a slot ({why})")
+            return table[b][col]
 
         verify_idx, fresh, prefill_rows = [], [], []
         bos = 0
         for b in range(B):
-            eos = bos + lens[b]
+            L, nc = lens[b], nct[b]
+            eos = bos + L
             if align:
                 row = table[b]
                 if all(s < 0 for s in row):  # padding row
-                    if lens[b]:
+                    if L:
                         _fail(f"block_table[{b}]", "only null slots for a row with tokens", "a real slot")
                     verify_idx.append(NULL_SLOT)
                     bos = eos
                     continue
-                nc = nct[b]
-                first = max(nc - 1, 0) // bs
-                last = (nc + max(lens[b], 1) - 1) // bs
-                for col in range(first, last + 1):  # every column the step may read or write
-                    if col >= ncols:
-                        _fail(f"block_table[{b}]", f"{ncols} columns",
-                              f"a column {col} for the block of token {nc + lens[b]} (block_size {bs})")
-                    if row[col] < 0:
-                        _fail(f"block_table[{b}, {col}]", "the null slot", "a slot (the step may write it)")
-                    claim(f"block_table[{b}, {col}]", row[col], b)
-                checkpoint = row[first]
-                if pre[b] and lens[b] == 0:  # an empty window writes nothing
+                checkpoint = NULL_SLOT
+                if nc > 0:
+                    checkpoint = column(b, (nc - 1) // bs, f"the checkpoint, block of token {nc}")
+                    claim_read(f"block_table[{b}, {(nc - 1) // bs}]", checkpoint, b)
+                if L:
+                    cols = range(nc // bs, (nc + L - 1) // bs + 1)  # every block the step may write
+                    slots_w = [column(b, c, f"the block of token {(c + 1) * bs} the step may write") for c in cols]
+                    if len(set(slots_w)) != len(slots_w):
+                        _fail(f"block_table[{b}]", f"slots {slots_w} for columns {list(cols)}",
+                              "distinct slots for the blocks one step may write")
+                    for c, slot in zip(cols, slots_w):
+                        claim_write(f"block_table[{b}, {c}]", slot, b)
+                if pre[b] and L:
+                    bounds = tuple(((p + 1) * bs - nc, row[p]) for p in range(nc // bs, (nc + L) // bs))
+                    prefill_rows.append(PrefillRow(b, bos, eos, checkpoint, row[(nc + L - 1) // bs], bounds))
                     verify_idx.append(NULL_SLOT)
-                elif pre[b]:
-                    bounds = tuple(((p + 1) * bs - nc, row[p]) for p in range(nc // bs, (nc + lens[b]) // bs)
-                                   if 1 <= (p + 1) * bs - nc <= lens[b])
-                    dst = row[(nc + lens[b] - 1) // bs] if lens[b] else checkpoint
-                    prefill_rows.append(PrefillRow(b, bos, eos, checkpoint if nc > 0 else NULL_SLOT, dst, bounds))
+                elif pre[b] or (nc == 0 and not L):  # an empty window reads and writes nothing
                     verify_idx.append(NULL_SLOT)
+                elif nc == 0:  # a fresh request verifying: its first block starts from zeros
+                    verify_idx.append(row[0])
+                    fresh.append(row[0])
                 else:
                     verify_idx.append(checkpoint)
-                    if nc == 0:
-                        fresh.append(checkpoint)
             else:
                 slot = slots[b]
                 if slot < 0:
-                    if lens[b]:
-                        _fail(f"state_indices[{b}]", f"{slot} (padding) for a row with {lens[b]} tokens",
+                    if L:
+                        _fail(f"state_indices[{b}]", f"{slot} (padding) for a row with {L} tokens",
                               "a slot >= 0, or no tokens")
                     verify_idx.append(NULL_SLOT)
                     bos = eos
                     continue
-                claim(f"state_indices[{b}]", slot, b)
-                if pre[b] and lens[b] == 0:  # an empty window writes nothing
+                claim_write(f"state_indices[{b}]", slot, b)
+                if pre[b] and L:
+                    prefill_rows.append(PrefillRow(b, bos, eos, slot if nc > 0 else NULL_SLOT, slot))
                     verify_idx.append(NULL_SLOT)
-                elif pre[b]:
-                    prefill_rows.append(PrefillRow(b, bos, eos, slot if nct[b] > 0 else NULL_SLOT, slot))
+                elif pre[b] or (nc == 0 and not L):  # an empty window reads and writes nothing
                     verify_idx.append(NULL_SLOT)
                 else:
                     verify_idx.append(slot)
-                    if nct[b] == 0:
+                    if nc == 0:
                         fresh.append(slot)
             bos = eos
 
@@ -231,4 +261,5 @@ class RecoverSSMMetadata:
             block_size=int(block_size) if align else None,
             max_window=max(windows, default=0),
             prefill_rows=tuple(prefill_rows),
+            max_slot=max([*writers, *readers], default=NULL_SLOT),
         )

@@ -187,7 +187,18 @@ def test_metadata_rejects_malformed_steps():
     with pytest.raises(ValueError, match="state_indices"):
         build([2], [False], [1], [9], num_slots=4)
     with pytest.raises(ValueError, match="block_table"):
-        build([4], [False], [6], block_size=4, block_table=[[1, -1]])  # the window may reach column 2
+        build([4], [False], [6], block_size=4, block_table=[[1, -1]])  # column 1 is null
+    with pytest.raises(ValueError, match="2 columns"):
+        build([4], [False], [6], block_size=4, block_table=[[1, 2]])  # the window may reach column 2
+    with pytest.raises(ValueError, match="distinct"):
+        build([4], [False], [2], block_size=2, block_table=[[1, 3, 3, 4]])  # one slot, two blocks
+    with pytest.raises(ValueError, match="checkpoint"):  # row 1 would write row 0's checkpoint
+        build([2, 2], [False, False], [4, 3], block_size=4, block_table=[[5, 6], [7, 5]])
+    # rows may share a read-only checkpoint block (a cached prefix); an empty row at a full
+    # table reads and writes nothing
+    md = build([5, 3, 0], [True, False, False], [4, 4, 8], block_size=4,
+               block_table=[[1, 2, 3], [1, 5, 6], [7, 8, -1]])
+    assert md.verify_indices.tolist() == [-1, 1, 8] and md.fresh_slots.numel() == 0
     with pytest.raises(ValueError, match="num_computed_tokens"):
         build([1], [False], [1, 2], [0])
 
@@ -232,6 +243,7 @@ def _align_run(device, block_size, nc, W, n, ncols=12):
     (2, 5, 5, 5),   # several boundaries in one window
     (8, 2, 4, 2),   # checkpoint and final state in one block
     (4, 6, 4, 0),   # nothing accepted
+    (3, 2, 5, 5),   # a boundary strictly inside, then the final block (W % block_size >= 2)
 ])
 def test_align_mode_blocks(device, block_size, nc, W, n):
     _align_run(device, block_size, nc, W, n)
@@ -349,3 +361,53 @@ def test_stack_decodes_256_tokens_with_random_acceptance(device):
     for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
                               (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
         assert rel_err(s[:, 1], r[:, 0]) < 1e-5
+
+
+def test_step_buffers_longer_than_the_step_and_pool_checks(device):
+    layers = [m.to(device) for m in _stack(14)]
+    pool = StatePool(layers, num_slots=4, max_tokens=16, device=device)
+    x = torch.randn(8, 16, device=device)
+    md = RecoverSSMMetadata.build([3, 2], [False, True], [5, 0], [1, 2], num_slots=4, device=device)
+    with torch.no_grad():
+        padded = _run(layers, x, md, pool)  # 8 token rows for a 5-token step
+    pool2 = StatePool(layers, num_slots=4, max_tokens=16, device=device)
+    with torch.no_grad():
+        exact = _run(layers, x[:5], md, pool2)
+    assert rel_err(padded[:5], exact) < 1e-6 and torch.equal(padded[5:], x[5:])  # zero layer outputs
+    big = RecoverSSMMetadata.build([2], [True], [0], [99], device=device)  # no num_slots given
+    before = [s.clone() for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values())]
+    with pytest.raises(ValueError, match="slot 99"):
+        _run(layers, x[:2], big, pool)
+    assert all(torch.equal(s, b) for (s, _), b in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                                                        before))
+
+
+def test_fresh_verify_row_in_align_mode_starts_from_zero_on_a_dirty_block(device):
+    layers = [m.to(device) for m in _stack(15)]
+    pool = StatePool(layers, num_slots=6, max_tokens=16, device=device)
+    for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
+        state.normal_()  # a recycled block
+    x = torch.randn(3, 16, device=device)
+    md = RecoverSSMMetadata.build([3], [False], [0], block_size=2, block_table=[[4, 5]], num_slots=6,
+                                  device=device)
+    ref_pool = StatePool(layers, num_slots=1, max_tokens=16, device=device)
+    with torch.no_grad():
+        out = _run(layers, x, md, pool)
+        commit(pool, md, i32([3], device))
+        ref = _run(layers, x, RecoverSSMMetadata.build([3], [True], [0], [0], device=device), ref_pool)
+    assert rel_err(out, ref) < 1e-5
+    for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                              (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
+        assert rel_err(s[:, 5], r[:, 0]) < 1e-5
+
+
+def test_pool_never_joins_autograd_and_from_hf_rejects_other_activations():
+    layers = _stack(16)
+    pool = StatePool(layers, num_slots=2, max_tokens=16)
+    md = RecoverSSMMetadata.build([4], [True], [0], [1], num_slots=2)
+    _run(layers, torch.randn(4, 16), md, pool)  # grad mode on, parameters require grad
+    assert not any(s.requires_grad for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()))
+    hf = _hf_layer("qwen3_next")
+    hf.activation = "gelu"
+    with pytest.raises(ValueError, match="activation"):
+        RecoverGatedDeltaNet.from_hf(hf)

@@ -104,6 +104,9 @@ class RecoverGatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"RecoverGatedDeltaNet.from_hf: {type(module).__name__} has neither "
                              "in_proj_qkvz (Qwen3-Next) nor in_proj_qkv (Qwen3.5)")
+        if getattr(module, "activation", "silu") not in ("silu", "swish"):
+            raise ValueError(f"RecoverGatedDeltaNet.from_hf: activation: got {module.activation!r}; "
+                             "expected 'silu' (the conv activation these layers use)")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.hidden_size, self.layout = module.hidden_size, layout
@@ -153,7 +156,7 @@ class RecoverGatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         state = pool.gdn_state(self)
-        core = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
+        core = torch.zeros((T, HV, V), dtype=v.dtype, device=v.device)
         scale = K**-0.5
         if metadata.has_verify:
             if metadata.fresh_slots.numel():
@@ -173,7 +176,7 @@ class RecoverGatedDeltaNet(nn.Module):
                                                  [off for off, _ in row.boundaries], scale)
             core[sl] = out
             for (_, slot), s in zip(row.boundaries, bounds):
-                state[slot] = s
-            state[row.dst] = final
+                state[slot] = s.detach()  # the pool never joins an autograd graph
+            state[row.dst] = final.detach()
         y = self.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, self.value_dim)
         return self.out_proj(y)

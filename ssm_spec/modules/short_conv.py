@@ -30,8 +30,12 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
     (state read only, inputs recorded in ``rec_x``; in the pool's snapshot mode the state after
     every token is also written to its scratch slot), prefill rows through
     :func:`conv_prefill_row` (final and boundary states written). Returns ``[T, C]``."""
-    T = metadata.num_tokens
-    out = torch.empty_like(x)
+    T = x.shape[0]  # may exceed metadata.num_tokens: rows outside every window stay zero
+    out = torch.zeros_like(x)
+    if T < metadata.num_tokens or T > rec_x.shape[0]:
+        raise ValueError(f"the step's activations have {T} token rows; expected at least the "
+                         f"metadata's {metadata.num_tokens} and at most the pool's max_tokens {rec_x.shape[0]}")
+    metadata.check_pool(conv_state.shape[0] if pool is None else pool.num_slots)
     if pool is not None and pool.snapshot and metadata.align:
         raise ValueError("snapshot mode (StatePool(snapshot=True)) supports no align mode")
     if metadata.has_verify:
@@ -50,8 +54,8 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
                                             [off for off, _ in row.boundaries])
         out[row.bos:row.eos] = y
         for (_, slot), state in zip(row.boundaries, bounds):
-            conv_state[slot] = state
-        conv_state[row.dst] = final
+            conv_state[slot] = state.detach()  # the pool never joins an autograd graph
+        conv_state[row.dst] = final.detach()
     return out
 
 
