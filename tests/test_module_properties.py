@@ -10,7 +10,7 @@ past the last one reached may be written.
 import functools
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
@@ -72,6 +72,8 @@ def steps(draw):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps())
+@example(([(2, 5, False, 5)], [0], 3, 1, (1, 2, 4, 4), 0))  # a boundary inside, then the final block
+@example(([(5, 4, True, 4), None, (0, 3, False, 2)], [2, 1, 0], 2, 2, (2, 1, 3, 5), 1))
 def test_mixed_steps_equal_fresh_prefill(step):
     rows, order, block_size, dilation, heads, seed = step
     layers = _stack(dilation, heads)
