@@ -411,3 +411,31 @@ def test_pool_never_joins_autograd_and_from_hf_rejects_other_activations():
     hf.activation = "gelu"
     with pytest.raises(ValueError, match="activation"):
         RecoverGatedDeltaNet.from_hf(hf)
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
+def test_matches_hf_cached_decode_outputs_and_states(device, layout):
+    """Prefill 12 tokens, then 32 one-token steps, against Hugging Face's own cached decode:
+    outputs, and the final recurrent and conv states."""
+    hf = _hf_layer(layout, seed=3).to(device)
+    cfg = hf.config if hasattr(hf, "config") else None
+    common = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                  layer_types=["linear_attention"])
+    cfg = cfg or (transformers.Qwen3NextConfig(**common) if layout == "qwen3_next"
+                  else transformers.Qwen3_5TextConfig(**common))
+    cache = transformers.DynamicCache(config=cfg)
+    x = torch.randn(1, 12 + 32, 32, device=device)
+    layer = RecoverGatedDeltaNet.from_hf(hf)
+    with torch.no_grad():
+        ref = [hf(x[:, :12], cache=cache)]
+        ref += [hf(x[:, t:t + 1], cache=cache) for t in range(12, 44)]
+        pool = StatePool([layer], num_slots=3, max_tokens=16, device=device)
+        got = _decode(layer, pool, x[0], 12, 32, device)
+    assert rel_err(got, torch.cat(ref, 1)[0]) < 1e-5
+    hf_layer_cache = cache.layers[0]
+    if not hasattr(hf_layer_cache, "recurrent_states"):  # older cache layouts: outputs only
+        return
+    recurrent, conv = hf_layer_cache.recurrent_states[0], hf_layer_cache.conv_states[0]
+    assert rel_err(pool.gdn_state(layer)[1], recurrent[0]) < 1e-5
+    assert torch.equal(pool.conv_state(layer)[1], conv[0, :, 1:].T.to(pool.conv_state(layer).dtype))
