@@ -103,3 +103,22 @@ def native_states(inputs: GDNInputs, state, src, qsl, scale=None, use_qk_l2norm=
     out = ops.gdn_snapshot_verify(*inputs.args(), scratch, src, qsl, snap_idx, scale=scale,
                                   use_qk_l2norm=use_qk_l2norm)
     return out, scratch[S:]
+
+
+def randomize_(layers, std: float):
+    """Random weights for a stack of ssm_spec layers (decays in a lively range); returns it."""
+    with torch.no_grad():
+        for layer in layers:
+            for p in layer.parameters():
+                p.normal_(std=std)
+            if hasattr(layer, "A_log"):
+                layer.A_log.uniform_(-1, 1)
+    return layers
+
+
+def run_stack(layers, x, metadata, pool):
+    """A residual stack: ``x + layer(x)`` for every layer, without autograd."""
+    with torch.no_grad():
+        for layer in layers:
+            x = x + layer(x, metadata, pool)
+    return x

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
-from tests.helpers import i32, rel_err
+from tests.helpers import i32, randomize_, rel_err, run_stack
 
 HIDDEN = 8
 
@@ -26,20 +26,10 @@ def _stack(dilation, heads):
     layers = [RecoverGatedDeltaNet(HIDDEN, H, H * group, K, V, conv_kernel_size=3, layout="qwen3_next"),
               RecoverShortConv(HIDDEN, 3, dilation=dilation, bias=True),
               RecoverGatedDeltaNet(HIDDEN, 2, 2, 4, 3, layout="qwen3_5")]
-    with torch.no_grad():
-        for layer in layers:
-            for p in layer.parameters():
-                p.normal_(std=0.4)
-            if hasattr(layer, "A_log"):
-                layer.A_log.uniform_(-1, 1)
-    return layers
+    return randomize_(layers, 0.4)
 
 
-def _run(layers, x, md, pool):
-    with torch.no_grad():
-        for layer in layers:
-            x = x + layer(x, md, pool)
-    return x
+_run = run_stack
 
 
 def _states(pool, slot):

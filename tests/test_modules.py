@@ -5,7 +5,7 @@ import torch
 import transformers  # the dev extra installs it: a missing one must fail, not skip
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
-from tests.helpers import i32, rel_err, same_bits
+from tests.helpers import i32, randomize_, rel_err, run_stack, same_bits
 
 
 def _hf_layer(layout, seed=0):
@@ -98,19 +98,10 @@ def _stack(seed=0):
     torch.manual_seed(seed)
     layers = [RecoverGatedDeltaNet(16, 2, 4, 8, 4, layout="qwen3_next"), RecoverShortConv(16, 3, dilation=2, bias=True),
               RecoverGatedDeltaNet(16, 1, 2, 8, 8, layout="qwen3_5")]
-    with torch.no_grad():
-        for layer in layers:
-            for p in layer.parameters():
-                p.normal_(std=0.3)
-            if hasattr(layer, "A_log"):
-                layer.A_log.uniform_(-1, 1)
-    return layers
+    return randomize_(layers, 0.3)
 
 
-def _run(layers, x, md, pool):
-    for layer in layers:
-        x = x + layer(x, md, pool)
-    return x
+_run = run_stack
 
 
 def test_mixed_batch_any_order_equals_unpermuted(device):
@@ -405,7 +396,10 @@ def test_pool_never_joins_autograd_and_from_hf_rejects_other_activations():
     layers = _stack(16)
     pool = StatePool(layers, num_slots=2, max_tokens=16)
     md = RecoverSSMMetadata.build([4], [True], [0], [1], num_slots=2)
-    _run(layers, torch.randn(4, 16), md, pool)  # grad mode on, parameters require grad
+    x = torch.randn(4, 16)
+    for layer in layers:  # grad mode on, parameters require grad
+        x = x + layer(x, md, pool)
+    assert x.requires_grad
     assert not any(s.requires_grad for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()))
     hf = _hf_layer("qwen3_next")
     hf.activation = "gelu"
