@@ -54,8 +54,10 @@ class RecoverSSMMetadata:
         verify);
         block_table ``[B, ncols]`` (align mode only).
 
+        verify_query_start_loc ``[B + 1]``: the windows relative to :attr:`verify_span`.
+
     Host values:
-        num_tokens ``T``; num_rows ``B``; block_size (align mode) or None; max_window (the
+        num_tokens ``T``; verify_start / verify_stop (the verify span); num_rows ``B``; block_size (align mode) or None; max_window (the
         longest verify window, which sizes the boundary plan); prefill_rows (a
         :class:`PrefillRow` per prefill row).
     """
@@ -72,6 +74,16 @@ class RecoverSSMMetadata:
     max_window: int
     prefill_rows: tuple[PrefillRow, ...]
     max_slot: int = NULL_SLOT
+    verify_start: int = 0
+    verify_stop: int = 0
+    verify_query_start_loc: torch.Tensor | None = None
+
+    @property
+    def verify_span(self) -> slice:
+        """The tokens ``[verify_start, verify_stop)`` that hold every verify window: the ops
+        run on this span (``verify_query_start_loc`` is relative to it), so the replay records
+        need only ``verify_stop - verify_start`` rows, not one per prefill token."""
+        return slice(self.verify_start, self.verify_stop)
 
     def check_pool(self, num_slots: int) -> None:
         """Raise ``ValueError`` (before anything is written) if the step references a slot the
@@ -249,6 +261,8 @@ class RecoverSSMMetadata:
             qsl.append(qsl[-1] + n)
         i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
         windows = [lens[b] for b in range(B) if not pre[b] and verify_idx[b] >= 0]
+        spans = [(qsl[b], qsl[b + 1]) for b in range(B) if verify_idx[b] >= 0 and lens[b]]
+        lo, hi = (min(a for a, _ in spans), max(z for _, z in spans)) if spans else (0, 0)
         return cls(
             query_start_loc=i32(qsl),
             is_prefill=torch.tensor(pre, dtype=torch.bool, device=device),
@@ -262,4 +276,7 @@ class RecoverSSMMetadata:
             max_window=max(windows, default=0),
             prefill_rows=tuple(prefill_rows),
             max_slot=max([*writers, *readers], default=NULL_SLOT),
+            verify_start=lo,
+            verify_stop=hi,
+            verify_query_start_loc=i32([min(max(q - lo, 0), hi - lo) for q in qsl]),
         )

@@ -54,7 +54,8 @@ class StatePool:
     Args:
         layers: modules with a ``state_specs()`` method (the ssm_spec modules), in order.
         num_slots: slots per layer (one per request; align mode: one per block).
-        max_tokens: the most tokens one step carries (sizes the record buffers).
+        max_tokens: the most tokens one step's verify windows span (sizes the record buffers;
+            prefill tokens outside that span need no record).
         dtype: recurrent state dtype, ``torch.float32`` or ``torch.bfloat16``.
         conv_dtype: conv state dtype (default ``dtype``).
         device: where every tensor lives.

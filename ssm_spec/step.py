@@ -57,7 +57,7 @@ def _commit_snapshots(pool: StatePool, metadata: RecoverSSMMetadata, num_accepte
     n = num_accepted_tokens.long()
     take = (src >= 0) & (n > 0)
     dummy = torch.full_like(src, pool.dummy_slot)
-    scratch = torch.where(take, pool.num_slots + metadata.query_start_loc[:-1].long() + n - 1, dummy)
+    scratch = torch.where(take, pool.num_slots + metadata.verify_query_start_loc[:-1].long() + n - 1, dummy)
     target = torch.where(take, src, dummy)
     for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
         state.index_copy_(1, target, state.index_select(1, scratch))
@@ -93,8 +93,8 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         return
     src, dst, bidx, boff = plan_commit(metadata, num_accepted_tokens)
     n = num_accepted_tokens.to(torch.int32)
-    T = metadata.num_tokens
-    qsl = metadata.query_start_loc
+    T = metadata.verify_stop - metadata.verify_start  # records cover the verify span only
+    qsl = metadata.verify_query_start_loc
     for state, records in pool.gdn_groups.values():
         torch.ops.ssm_spec.gdn_commit(state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
     for state, rec_x in pool.conv_groups.values():

@@ -433,3 +433,38 @@ def test_matches_hf_cached_decode_outputs_and_states(device, layout):
     recurrent, conv = hf_layer_cache.recurrent_states[0], hf_layer_cache.conv_states[0]
     assert rel_err(pool.gdn_state(layer)[1], recurrent[0]) < 1e-5
     assert torch.equal(pool.conv_state(layer)[1], conv[0, :, 1:].T.to(pool.conv_state(layer).dtype))
+
+
+def test_records_cover_the_verify_span_only(device):
+    """Verify rows first, then a 100-token prefill, with records for 16 tokens: the verify
+    windows span 6 tokens, so the step fits, and it equals fresh prefills. Verify rows that
+    enclose the prefill span it too: a clear ValueError, nothing written."""
+    layers = [m.to(device) for m in _stack(17)]
+    gen = torch.Generator().manual_seed(3)
+    hist = [torch.randn(n, 16, generator=gen).to(device) for n in (8, 9, 100)]
+    pool = StatePool(layers, num_slots=3, max_tokens=16, device=device)
+    with torch.no_grad():
+        md = RecoverSSMMetadata.build([5, 6], [True, True], [0, 0], [0, 1], num_slots=3, device=device)
+        _run(layers, torch.cat([hist[0][:5], hist[1][:6]]), md, pool)
+        enclosing = RecoverSSMMetadata.build([3, 100, 3], [False, True, False], [5, 0, 6], [0, 2, 1],
+                                             num_slots=3, device=device)
+        before = [s.clone() for s, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values())]
+        with pytest.raises(ValueError, match="span"):
+            _run(layers, torch.cat([hist[0][5:8], hist[2], hist[1][6:9]]), enclosing, pool)
+        assert all(torch.equal(s, b) for (s, _), b in
+                   zip((*pool.gdn_groups.values(), *pool.conv_groups.values()), before))
+        md = RecoverSSMMetadata.build([3, 3, 100], [False, False, True], [5, 6, 0], [0, 1, 2],
+                                      num_slots=3, device=device)
+        assert (md.verify_start, md.verify_stop) == (0, 6)
+        out = _run(layers, torch.cat([hist[0][5:8], hist[1][6:9], hist[2]]), md, pool)
+        commit(pool, md, i32([2, 3, 0], device))
+        for b, (lo, n, slot) in enumerate([(5, 2, 0), (6, 3, 1)]):
+            ref_pool = StatePool(layers, num_slots=1, max_tokens=16, device=device)
+            ref = _run(layers, hist[b][:lo + 3], RecoverSSMMetadata.build([lo + 3], [True], [0], [0], device=device),
+                       ref_pool)
+            assert rel_err(out[3 * b:3 * b + 3], ref[lo:]) < 1e-5
+            ref_pool = StatePool(layers, num_slots=1, max_tokens=16, device=device)
+            _run(layers, hist[b][:lo + n], RecoverSSMMetadata.build([lo + n], [True], [0], [0], device=device), ref_pool)
+            for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
+                                      (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
+                assert rel_err(s[:, slot], r[:, 0]) < 1e-5

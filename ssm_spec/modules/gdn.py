@@ -161,14 +161,15 @@ class RecoverGatedDeltaNet(nn.Module):
         if metadata.has_verify:
             if metadata.fresh_slots.numel():
                 state.index_fill_(0, metadata.fresh_slots.long(), 0)
+            span = metadata.verify_span  # the ops run on the tokens the verify windows span
+            args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
+                    metadata.verify_query_start_loc)
             if pool.snapshot:  # the native path: a state write per window token
-                torch.ops.ssm_spec.gdn_snapshot_verify(q, k, v, g, beta, state, metadata.verify_indices,
-                                                       metadata.query_start_loc, pool.snapshot_slots(T), core,
-                                                       scale, True)
+                torch.ops.ssm_spec.gdn_snapshot_verify(*args, pool.snapshot_slots(span.stop - span.start),
+                                                       core[span], scale, True)
             else:
-                rec = pool.gdn_record(self, T)
-                torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, metadata.verify_indices,
-                                              metadata.query_start_loc, core, rec.u, rec.k, rec.decay, scale, True)
+                rec = pool.gdn_record(self, span.stop - span.start)
+                torch.ops.ssm_spec.gdn_verify(*args, core[span], rec.u, rec.k, rec.decay, scale, True)
         for row in metadata.prefill_rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)

@@ -17,7 +17,7 @@ __all__ = ["RecoverShortConv", "run_short_conv"]
 def token_snapshot_plan(metadata: RecoverSSMMetadata, pool: StatePool):
     """Snapshot mode: ``(n, boundary_indices, boundary_offsets)`` that make a commit write the
     state after every window token into the token's scratch slot (device tensors)."""
-    qsl = metadata.query_start_loc
+    qsl = metadata.verify_query_start_loc
     bos, lens = qsl[:-1], qsl[1:] - qsl[:-1]
     j = torch.arange(metadata.max_window, dtype=torch.int32, device=qsl.device)[None, :]
     idx = torch.where(j < lens[:, None], pool.num_slots + bos[:, None] + j, torch.full_like(j, -1))
@@ -32,21 +32,25 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
     :func:`conv_prefill_row` (final and boundary states written). Returns ``[T, C]``."""
     T = x.shape[0]  # may exceed metadata.num_tokens: rows outside every window stay zero
     out = torch.zeros_like(x)
-    if T < metadata.num_tokens or T > rec_x.shape[0]:
-        raise ValueError(f"the step's activations have {T} token rows; expected at least the "
-                         f"metadata's {metadata.num_tokens} and at most the pool's max_tokens {rec_x.shape[0]}")
+    span = metadata.verify_span
+    V = span.stop - span.start  # the verify windows' span: the records need only these rows
+    if T < metadata.num_tokens or V > rec_x.shape[0]:
+        raise ValueError(f"the step has {T} token rows and its verify windows span {V}; expected at "
+                         f"least the metadata's {metadata.num_tokens} rows and a span within the pool's "
+                         f"max_tokens {rec_x.shape[0]}")
     metadata.check_pool(conv_state.shape[0] if pool is None else pool.num_slots)
     if pool is not None and pool.snapshot and metadata.align:
         raise ValueError("snapshot mode (StatePool(snapshot=True)) supports no align mode")
     if metadata.has_verify:
         if metadata.fresh_slots.numel():
             conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
-        torch.ops.ssm_spec.short_conv_verify(x, weight, bias, conv_state, metadata.verify_indices,
-                                             metadata.query_start_loc, out, rec_x[:T], dilation, activation)
+        torch.ops.ssm_spec.short_conv_verify(x[span], weight, bias, conv_state, metadata.verify_indices,
+                                             metadata.verify_query_start_loc, out[span], rec_x[:V], dilation,
+                                             activation)
         if pool is not None and pool.snapshot:
             n, idx, off = token_snapshot_plan(metadata, pool)
             none = torch.full_like(n, -1)
-            torch.ops.ssm_spec.short_conv_commit(conv_state, rec_x[:T], metadata.query_start_loc,
+            torch.ops.ssm_spec.short_conv_commit(conv_state, rec_x[:V], metadata.verify_query_start_loc,
                                                  metadata.verify_indices, n, none, idx, off)
     for row in metadata.prefill_rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
