@@ -35,9 +35,9 @@ def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
     """
     chunk = _fla_chunk() if q.is_cuda else None
     if chunk is not None:
-        out, final = chunk(q[None], k[None], v[None], g=g[None], beta=beta[None], scale=scale,
-                           initial_state=initial_state[None].float(), output_final_state=True,
-                           use_qk_l2norm_in_kernel=True)
+        q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g, beta))
+        out, final = chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state[None].float(),
+                           output_final_state=True, use_qk_l2norm_in_kernel=True)
         return out[0].float(), final[0].float()
     # the reference's per-token expressions, keeping only the running state (memory O(1) in L)
     HV = v.shape[1]
