@@ -10,7 +10,9 @@ OUT=${OUT:-/tmp/ssm_spec_gpu}
 mkdir -p "$OUT"
 export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=${*:-tests bench}
-# carried wheels (fla-core for the chunked prefill): name .whl in the device tool's carry
+# carried wheels (fla-core for the chunked prefill): prepare them here with
+#   pip download --no-deps -d .whl "fla-core>=0.6" einops     (pure-Python wheels)
+# and name .whl in the device tool's carry
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
