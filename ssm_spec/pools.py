@@ -69,7 +69,8 @@ class StatePool:
         gdn_groups / conv_groups: ``{spec: (state [NL, S, ...], records)}``.
 
     Raises:
-        ValueError: on a non-positive slot or token count, or an unsupported dtype.
+        ValueError: on a non-positive slot or token count, or an unsupported dtype; the
+            per-layer accessors raise it for a layer the pool does not hold.
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
@@ -78,6 +79,8 @@ class StatePool:
             raise ValueError(f"StatePool: num_slots={num_slots}, max_tokens={max_tokens}; expected >= 1")
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"StatePool: dtype: got {dtype}; expected torch.float32 or torch.bfloat16")
+        if conv_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"StatePool: conv_dtype: got {conv_dtype}; expected float32, bfloat16 or float16")
         self.num_slots = int(num_slots)
         self.max_tokens = int(max_tokens)
         self.snapshot = bool(snapshot)

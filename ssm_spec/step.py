@@ -78,7 +78,8 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         validate: check the counts on the host (``None``: in eager mode only).
 
     Raises:
-        ValueError: a count outside its window (with validation on); nothing is written.
+        ValueError: with validation on, a ``num_accepted_tokens`` not of shape ``[B]`` or a count
+            outside its window; snapshot mode with align mode. Nothing is written.
     """
     if should_validate(validate, "commit"):
         if num_accepted_tokens.shape != (metadata.num_rows,):

@@ -15,7 +15,7 @@ from torch import nn
 from ..metadata import RecoverSSMMetadata
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
 from .prefill import gdn_prefill_row
-from .short_conv import run_short_conv
+from .short_conv import check_inference, run_short_conv
 
 __all__ = ["RecoverGatedDeltaNet", "GatedRMSNorm"]
 
@@ -95,7 +95,8 @@ class RecoverGatedDeltaNet(nn.Module):
         its parameters (the HF submodules themselves are reused, so state-dict keys match).
 
         Raises:
-            ValueError: if ``module`` has neither projection layout.
+            ValueError: if ``module`` has neither projection layout, or its conv activation is
+                not SiLU.
         """
         if hasattr(module, "in_proj_qkvz"):
             layout = "qwen3_next"
@@ -124,6 +125,8 @@ class RecoverGatedDeltaNet(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def state_specs(self):
+        """The states a :class:`~ssm_spec.StatePool` keeps for this layer: its recurrent state
+        ``[HV, K, V]`` and its qkv conv state ``[kernel_size - 1, 2*H*K + HV*V]``."""
         return [("gdn", GDNStateSpec(self.num_v_heads, self.num_k_heads, self.head_k_dim, self.head_v_dim)),
                 ("conv", ConvStateSpec(self.conv_kernel_size - 1, self.conv_dim))]
 
@@ -144,7 +147,22 @@ class RecoverGatedDeltaNet(nn.Module):
         return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
 
     def forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
-        """``hidden [T, hidden]`` -> ``[T, hidden]`` for the step described by ``metadata``."""
+        """``hidden [T, hidden]`` -> ``[T, hidden]`` for the step described by ``metadata``.
+        Args:
+            hidden: ``[T, hidden]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
+                count; rows outside every window come out zero).
+            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
+            pool: the :class:`~ssm_spec.StatePool` holding this layer's states.
+
+        Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
+
+        Raises:
+            ValueError: with grad mode on and a tensor that requires grad (the kernels have no
+                autograd formula); a slot the pool does not have; verify windows spanning more
+                tokens than the pool's ``max_tokens``; snapshot mode with align mode; a layer the
+                pool does not hold. Raised before anything is written.
+        """
+        check_inference("RecoverGatedDeltaNet", hidden, self)
         T = hidden.shape[0]
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)

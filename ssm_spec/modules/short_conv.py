@@ -14,6 +14,15 @@ from .prefill import conv_prefill_row
 __all__ = ["RecoverShortConv", "run_short_conv"]
 
 
+def check_inference(name: str, x: torch.Tensor, module) -> None:
+    """The layers are inference kernels: refuse grad mode with tensors that require grad,
+    rather than return outputs silently cut off from the parameters' gradients."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
+        raise ValueError(f"{name}: called with grad mode on and tensors that require grad; expected "
+                         "inference (torch.no_grad() or torch.inference_mode()): the kernels have no "
+                         "autograd formula")
+
+
 def token_snapshot_plan(metadata: RecoverSSMMetadata, pool: StatePool):
     """Snapshot mode: ``(n, boundary_indices, boundary_offsets)`` that make a commit write the
     state after every window token into the token's scratch slot (device tensors)."""
@@ -96,10 +105,27 @@ class RecoverShortConv(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def state_specs(self):
+        """The state a :class:`~ssm_spec.StatePool` keeps for this layer: the last
+        ``(kernel_size - 1) * dilation`` inputs, ``[Lc, C]``."""
         return [("conv", ConvStateSpec((self.kernel_size - 1) * self.dilation, self.channels))]
 
     def forward(self, x: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
-        """``x [T, C]`` -> ``[T, C]`` for the step described by ``metadata``."""
+        """``x [T, C]`` -> ``[T, C]`` for the step described by ``metadata``.
+        Args:
+            x: ``[T, C]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
+                count; rows outside every window come out zero).
+            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
+            pool: the :class:`~ssm_spec.StatePool` holding this layer's states.
+
+        Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
+
+        Raises:
+            ValueError: with grad mode on and a tensor that requires grad (the kernels have no
+                autograd formula); a slot the pool does not have; verify windows spanning more
+                tokens than the pool's ``max_tokens``; snapshot mode with align mode; a layer the
+                pool does not hold. Raised before anything is written.
+        """
+        check_inference("RecoverShortConv", x, self)
         return run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
                               pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
                               pool)

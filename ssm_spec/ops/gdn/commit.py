@@ -224,7 +224,9 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
     Raises:
         ValueError: naming the argument: bad shapes/dtypes/devices, a slot ``>= S``, a count
             outside ``0..window length``, two rows writing one slot, or a row writing another
-            row's source slot. Nothing is written.
+            row's source slot (every live row's checkpoint counts, also one accepting nothing),
+            an expanded pool. Nothing is written. Also: inputs that require grad while grad mode is on,
+            ``validate=True`` while compiling or capturing.
     """
     op = "gdn_commit"
     do_validate = should_validate(validate, op)

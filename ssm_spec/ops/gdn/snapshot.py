@@ -77,7 +77,10 @@ def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, s
         ``out [T, HV, V]`` in ``v``'s dtype (padding rows' tokens uninitialised).
 
     Raises:
-        ValueError: naming the argument, before anything is written.
+        ValueError: naming the argument, before anything is written: bad shapes, dtypes or
+            devices, a slot ``>= S``, a malformed ``query_start_loc``, a snapshot slot written
+            twice or that is a live row's source, an expanded pool. Also: inputs that require grad while grad mode is on,
+            ``validate=True`` while compiling or capturing.
     """
     op = "gdn_snapshot_verify"
     do_validate = should_validate(validate, op)

@@ -297,7 +297,8 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
 
     Raises:
         ValueError: naming the argument, for bad shapes, dtypes, devices, a slot ``>= S``,
-            or a malformed ``query_start_loc``; nothing is written.
+            or a malformed ``query_start_loc``; nothing is written. Also: inputs that require grad while grad mode is on,
+            ``validate=True`` while compiling or capturing.
     """
     op = "gdn_verify"
     do_validate = should_validate(validate, op)

@@ -199,7 +199,10 @@ def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accep
         boundary_offsets, validate: as :func:`ssm_spec.ops.gdn_commit` (same conventions).
 
     Raises:
-        ValueError: naming the argument, before anything is written.
+        ValueError: naming the argument, before anything is written: as
+            :func:`ssm_spec.ops.gdn_commit` (slots, counts, write conflicts, an expanded pool;
+            conv_state float32/bfloat16/float16, rec_x float32). Also: inputs that require grad while grad mode is on,
+            ``validate=True`` while compiling or capturing.
     """
     op = "short_conv_commit"
     do_validate = should_validate(validate, op)

@@ -197,7 +197,11 @@ def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_lo
         inputs for :func:`ssm_spec.ops.short_conv_commit`.
 
     Raises:
-        ValueError: naming the argument, before anything is written.
+        ValueError: naming the argument, before anything is written: bad shapes, dtypes
+            (float32/bfloat16/float16 for x, weight, bias and conv_state) or devices, a state
+            length other than ``(kernel_size - 1) * dilation``, a dilation < 1 or a bool, an
+            unknown activation, a slot ``>= S``, a malformed ``query_start_loc``. Also: inputs that require grad while grad mode is on,
+            ``validate=True`` while compiling or capturing.
     """
     op = "short_conv_verify"
     do_validate = should_validate(validate, op)
