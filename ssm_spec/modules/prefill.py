@@ -29,11 +29,13 @@ def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
         q, k ``[L, H, K]``; v ``[L, HV, V]``; g, beta ``[L, HV]``; initial_state ``[HV, K, V]``
         fp32. Returns ``(out [L, HV, V] fp32, final_state [HV, K, V] fp32)``.
 
-    On CUDA with fla-core installed this is ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
-    (the chunked prefill the library relies on; DESIGN.md section 8); otherwise the
-    token-by-token reference.
+    On CUDA with fla-core installed (and head dims >= 16) this is
+    ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (the chunked prefill the library relies
+    on; DESIGN.md section 8); otherwise the reference's per-token expressions, keeping only the
+    running state.
     """
-    chunk = _fla_chunk() if q.is_cuda else None
+    # fla's chunked kernels tile K and V with tl.dot, which needs dims of at least 16
+    chunk = _fla_chunk() if q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16 else None
     if chunk is not None:
         q, k, v, g, beta = (x.contiguous()[None] for x in (q, k, v, g, beta))
         out, final = chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state[None].float(),
