@@ -107,6 +107,7 @@ def gdn_native_step(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     dtype: torch.dtype | None = None,
+    keep_states: bool = True,
 ) -> GDNNativeResult:
     """Run the gated delta rule token by token over one sequence (DESIGN.md section 2).
 
@@ -117,6 +118,8 @@ def gdn_native_step(
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm: normalise q and k (``x / sqrt(sum(x*x) + 1e-6)``).
         dtype: compute dtype; default float64 if any input is float64, else float32.
+        keep_states: ``False`` keeps only the final state (``states`` is then ``[1, HV, K, V]``,
+            or empty for ``T = 0``): memory independent of ``T``, for long prompts.
 
     Returns:
         :class:`GDNNativeResult` with the outputs, the state after every token and the
@@ -154,8 +157,9 @@ def gdn_native_step(
             s, _expand_heads(khat[t], HV), _expand_heads(qhat[t], HV), vf[t], decay[t], bf[t]
         )
         outs.append(o)
-        states.append(s)
         us.append(u)
+        if keep_states or t == T - 1:
+            states.append(s)
     empty_state = initial_state.new_empty((0, HV, K, V), dtype=cd)
     return GDNNativeResult(
         out=torch.stack(outs) if T else vf.new_empty((0, HV, V)),

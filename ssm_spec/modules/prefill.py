@@ -41,18 +41,9 @@ def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
         out, final = chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state[None].float(),
                            output_final_state=True, use_qk_l2norm_in_kernel=True)
         return out[0].float(), final[0].float()
-    # the reference's per-token expressions, keeping only the running state (memory O(1) in L)
-    HV = v.shape[1]
-    khat = reference.l2norm(k.float())
-    qhat = reference.l2norm(q.float()) * scale
-    group = HV // q.shape[1]
-    decay, beta, v = torch.exp(g.float()), beta.float(), v.float()
-    state, outs = initial_state.float(), []
-    for t in range(q.shape[0]):
-        state, _, o = reference.gdn_token_update(state, khat[t].repeat_interleave(group, 0),
-                                                 qhat[t].repeat_interleave(group, 0), v[t], decay[t], beta[t])
-        outs.append(o)
-    return torch.stack(outs), state
+    res = reference.gdn_native_step(q, k, v, g, beta, initial_state, scale=scale, dtype=torch.float32,
+                                    keep_states=False)
+    return res.out, res.states[-1]
 
 
 def gdn_prefill_row(q, k, v, g, beta, initial_state, boundaries, scale):

@@ -80,9 +80,13 @@ def gdn_apply(b_p, b_k, b_u, USE_PTX: tl.constexpr):
         return tl.fma(b_k, b_u[None, :], b_p)
 
 
+_USE_PTX = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
+
+
 def use_ptx() -> bool:
-    """Whether the kernels may use PTX inline assembly (not under the Triton interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
+    """Whether the kernels may use PTX inline assembly: not under the Triton interpreter (which
+    must be chosen before import, so this is decided once, off the launch path) nor on ROCm."""
+    return _USE_PTX
 
 
 @triton.jit

@@ -12,14 +12,12 @@ import torch
 
 from .._validate import (
     check_index,
-    check_no_grad,
     check_unaliased_pool,
     check_write_conflicts,
-    should_validate,
     slot_values,
     window_bounds,
 )
-from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, precheck_gdn_window
+from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
 
 
 def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
@@ -83,16 +81,10 @@ def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, s
             ``validate=True`` while compiling or capturing.
     """
     op = "gdn_snapshot_verify"
-    do_validate = should_validate(validate, op)
+    do_validate, scale, out = prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, validate)
+    T = q.shape[0]
     if do_validate:
-        precheck_gdn_window(op, q, v, scale, use_qk_l2norm)
-        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
         check_unaliased_pool(op, "state", state)
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    scale = K**-0.5 if scale is None else float(scale)
-    out = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
-    if do_validate:
         _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
                                   snapshot_indices, out)
         windows = window_bounds(op, query_start_loc, T)

@@ -199,14 +199,22 @@ def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapsh
 # ----------------------------------------------------------------------------- checks
 
 
-def precheck_gdn_window(op, q, v, scale, use_qk_l2norm):
-    """What the wrappers read before allocating: ranks of q and v, non-empty head dims, the
-    static arguments."""
-    check_tensor(op, "q", q, ndim=3)
-    check_tensor(op, "v", v, ndim=3)
-    if q.shape[-1] == 0 or v.shape[-1] == 0:
-        raise ValueError(f"{op}: q, v: got head dims K={q.shape[-1]}, V={v.shape[-1]}; expected >= 1")
-    check_scalars(op, scale=scale, use_qk_l2norm=use_qk_l2norm)
+def prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, validate):
+    """The two window wrappers' shared preamble: resolve ``validate``; when on, check what is
+    read before allocating (ranks of q and v, non-empty head dims, static arguments, no
+    autograd); resolve ``scale``; allocate ``out [T, HV, V]``. Returns
+    ``(do_validate, scale, out)``."""
+    do_validate = should_validate(validate, op)
+    if do_validate:
+        check_tensor(op, "q", q, ndim=3)
+        check_tensor(op, "v", v, ndim=3)
+        if q.shape[-1] == 0 or v.shape[-1] == 0:
+            raise ValueError(f"{op}: q, v: got head dims K={q.shape[-1]}, V={v.shape[-1]}; expected >= 1")
+        check_scalars(op, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out = torch.empty((q.shape[0], *v.shape[-2:]), dtype=v.dtype, device=v.device)
+    return do_validate, scale, out
 
 
 def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
@@ -300,15 +308,10 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
             or a malformed ``query_start_loc``; nothing is written. Also: inputs that require grad while grad mode is on,
             ``validate=True`` while compiling or capturing.
     """
-    op = "gdn_verify"
-    do_validate = should_validate(validate, op)
-    if do_validate:
-        precheck_gdn_window(op, q, v, scale, use_qk_l2norm)
-        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
+    do_validate, scale, out = prepare_window_call("gdn_verify", q, k, v, g, beta, state, scale,
+                                                  use_qk_l2norm, validate)
     T, H, K = q.shape
     HV, V = v.shape[-2:]
-    scale = K**-0.5 if scale is None else float(scale)
-    out = torch.empty((T, HV, V), dtype=v.dtype, device=v.device)
     record = ReplayRecord(
         u=torch.empty((T, HV, V), dtype=torch.float32, device=v.device),
         k=torch.empty((T, H, K), dtype=torch.float32, device=v.device),
