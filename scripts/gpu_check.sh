@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [diag-fla]     (default: tests bench)
 # Writes logs, JUnit XML and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
@@ -31,6 +31,10 @@ for part in $PARTS; do
     bench)
       python3 benchmarks/bench_ops.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_fp32.log"
       summary+=("bench fp32: see table above ($OUT/bench_fp32.log)")
+      ;;
+    diag-fla)
+      python3 scripts/diag_fla_prefill.py 2>&1 | tee "$OUT/diag_fla.log"
+      summary+=("diag fla: $OUT/diag_fla.log")
       ;;
     bench-bf16)
       python3 benchmarks/bench_ops.py --state-dtype bfloat16 --out-dir "$OUT" 2>&1 | tee "$OUT/bench_bf16.log"

@@ -28,3 +28,11 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _hf_reference_kernels(monkeypatch):
+    """Hugging Face layers run their PyTorch reference path in every test (see helpers)."""
+    from tests.helpers import use_hf_torch_kernels
+
+    use_hf_torch_kernels(monkeypatch)
