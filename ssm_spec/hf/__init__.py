@@ -1,0 +1,26 @@
+"""Hugging Face integration: speculative decoding on Qwen3-Next / Qwen3.5 through ``generate``.
+
+``apply_recoverssm(model)`` converts the model in place; ``generate(prompt_lookup_num_tokens=k)``
+and ``generate(assistant_model=draft)`` then run through a :class:`RecoverSSMCache` whose
+linear-attention layers roll back exactly (DESIGN.md section 7). Needs the ``hf`` extra
+(transformers).
+"""
+
+from .adapter import RecoverGDNAdapter
+from .apply import apply_recoverssm, is_converted
+from .cache import AcceptanceStats, RecoverLinearAttentionLayer, RecoverSSMCache
+from .rollback import RollbackPool
+from .tiny import ByteTokenizer, tiny_config, tiny_model
+
+__all__ = [
+    "AcceptanceStats",
+    "ByteTokenizer",
+    "RecoverGDNAdapter",
+    "RecoverLinearAttentionLayer",
+    "RecoverSSMCache",
+    "RollbackPool",
+    "apply_recoverssm",
+    "is_converted",
+    "tiny_config",
+    "tiny_model",
+]

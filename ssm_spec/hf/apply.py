@@ -1,0 +1,147 @@
+"""``apply_recoverssm``: convert a Qwen3-Next / Qwen3.5 causal LM in place (in the style of
+Liger-Kernel's ``apply_liger_kernel_to_*``), so that ``generate`` can run assisted decoding and
+prompt lookup on it exactly (DESIGN.md section 7)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from ..modules import RecoverGatedDeltaNet
+from .adapter import RecoverGDNAdapter
+from .cache import RecoverSSMCache
+
+__all__ = ["apply_recoverssm", "is_converted", "draft_length"]
+
+DEFAULT_NUM_ASSISTANT_TOKENS = 20  # transformers' default for num_assistant_tokens
+
+
+def _is_hf_gdn(module: nn.Module) -> bool:
+    return hasattr(module, "A_log") and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv"))
+
+
+def is_converted(model: nn.Module) -> bool:
+    """Whether :func:`apply_recoverssm` has converted ``model``."""
+    return getattr(model, "_recoverssm", None) is not None
+
+
+def _cache_kwarg(model) -> str:
+    """The name transformers uses for the cache: ``cache`` (5.2x and later) or ``past_key_values``."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def draft_length(model, generation_config, kwargs) -> int:
+    """The most tokens one ``generate`` call may need to roll back: the draft length.
+
+    ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (the first round's
+    drafts; later rounds crop after every forward); or, inside an assistant's own ``generate``
+    (``is_assistant``), its ``max_new_tokens`` plus the two tokens it re-feeds each round; 0 for
+    plain decoding.
+    """
+    def get(name):
+        value = kwargs.get(name)
+        return getattr(generation_config, name, None) if value is None else value
+
+    assistant = kwargs.get("assistant_model")
+    if get("is_assistant"):
+        return int(get("max_new_tokens") or 0) + 2
+    if get("prompt_lookup_num_tokens"):
+        return int(get("prompt_lookup_num_tokens"))
+    if assistant is not None:
+        return int(getattr(assistant.generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+    return 0
+
+
+def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Convert a Qwen3-Next or Qwen3.5 model in place and return it.
+
+    Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
+    :class:`~ssm_spec.hf.adapter.RecoverGDNAdapter` around
+    :meth:`RecoverGatedDeltaNet.from_hf <ssm_spec.RecoverGatedDeltaNet.from_hf>` (the weights
+    are shared, not copied; ``state_dict`` keys gain an ``inner.`` level). ``generate`` and
+    ``forward`` then create a :class:`~ssm_spec.hf.RecoverSSMCache` when none is passed, sized
+    for the draft length of the call, so ``generate(prompt_lookup_num_tokens=k)``,
+    ``generate(assistant_model=draft)`` and a converted model as an assistant work, and with
+    greedy fp32 decoding give exactly plain ``generate``'s tokens. Attention layers keep
+    transformers' KV cache. Calling it again is a no-op.
+
+    Args:
+        model: a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` (or any module tree holding
+            their GatedDeltaNet layers as ``linear_attn``), on any device and dtype.
+        state_dtype: recurrent state dtype of the caches it creates (fp32 default, or bf16).
+
+    Raises:
+        ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects.
+
+    The converted layers run inference only (no autograd through the GDN layers).
+    """
+    if is_converted(model):
+        return model
+    found = 0
+    for parent in list(model.modules()):
+        child = getattr(parent, "linear_attn", None)
+        if isinstance(child, nn.Module) and _is_hf_gdn(child):
+            inner = RecoverGatedDeltaNet.from_hf(child)
+            parent.linear_attn = RecoverGDNAdapter(inner, child.layer_idx)
+            found += 1
+    if not found:
+        raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
+                         "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
+    model._recoverssm = {"state_dtype": state_dtype, "cache_kwarg": _cache_kwarg(model)}
+    model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
+    _wrap_generate(model)
+    _wrap_forward(model)
+    return model
+
+
+def _wrap_generate(model):
+    original = model.generate
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
+        gen_config = named.get("generation_config") or model.generation_config
+        assistant = named.get("assistant_model")
+        if assistant is not None and getattr(assistant, "_is_stateful", False):
+            raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
+                             "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
+        R = max(1, draft_length(model, gen_config, named) + 1)
+        key = model._recoverssm["cache_kwarg"]
+        cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
+        if cache is None:
+            cache = RecoverSSMCache(model, max_pending=R, state_dtype=model._recoverssm["state_dtype"])
+            kwargs[key] = cache
+            prompt = named.get("inputs")
+            if prompt is None:
+                prompt = named.get("input_ids")
+            cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
+        elif isinstance(cache, RecoverSSMCache):
+            cache.max_pending = max(cache.max_pending, R)
+        else:
+            raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
+                             "(or none, and generate creates it)")
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
+def _wrap_forward(model):
+    original = model.forward
+    key = model._recoverssm["cache_kwarg"]
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(model.config, "use_cache", False)
+        if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
+            kwargs[key] = RecoverSSMCache(model, state_dtype=model._recoverssm["state_dtype"])
+        return original(*args, **kwargs)
+
+    model.forward = forward

@@ -1,0 +1,224 @@
+"""``RecoverSSMCache``: a transformers ``DynamicCache`` whose linear-attention layers roll back.
+
+Attention layers keep transformers' own ``DynamicLayer`` behaviour. The linear-attention
+entries are placeholders (:class:`RecoverLinearAttentionLayer`, so transformers' ``is_linear``
+and sequence-length fallbacks keep working); the states of every GDN layer live in one
+:class:`~ssm_spec.hf.rollback.RollbackPool`, driven by the converted layers' forwards and by
+``crop`` (DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache, LinearAttentionLayer
+
+from .rollback import RollbackPool
+
+__all__ = ["RecoverSSMCache", "RecoverLinearAttentionLayer", "AcceptanceStats"]
+
+
+@dataclass
+class AcceptanceStats:
+    """Drafts verified and accepted by a target model, one entry per speculative round.
+
+    A round is one forward of the last token plus ``d`` drafts followed by a crop that removes
+    the rejected ones. ``offered[i]`` counts rounds that had a draft at position ``i``,
+    ``per_position[i]`` those that accepted it.
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+    offered: list[int] = field(default_factory=list)
+
+    def add(self, drafts: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafts
+        self.accepted += accepted
+        if drafts > len(self.offered):
+            grow = drafts - len(self.offered)
+            self.offered += [0] * grow
+            self.per_position += [0] * grow
+        for i in range(drafts):
+            self.offered[i] += 1
+            self.per_position[i] += int(i < accepted)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per round (accepted drafts plus the target's own token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def position_rates(self) -> list[float]:
+        """Per draft position, the fraction of rounds offering it that accepted it."""
+        return [a / o for a, o in zip(self.per_position, self.offered)]
+
+
+_NOT_HF_PATH = ("RecoverSSMCache serves models converted with ssm_spec.hf.apply_recoverssm; transformers' own "
+                "GatedDeltaNet forward must not write into it")
+
+
+class RecoverLinearAttentionLayer(LinearAttentionLayer):
+    """The cache entry of a converted GDN layer. It holds no tensors (the cache's
+    :class:`RollbackPool` does) and reports what transformers asks of a linear layer:
+    croppable, never compiled, crop/reorder/reset handled once by the cache."""
+
+    def __init__(self):
+        super().__init__(number_of_states=1)
+        self.record_past = True
+
+    def lazy_initialization(self, *args, **kwargs):
+        raise RuntimeError(_NOT_HF_PATH)
+
+    def update_conv_state(self, *args, **kwargs):
+        raise RuntimeError(_NOT_HF_PATH)
+
+    def update_recurrent_state(self, *args, **kwargs):
+        raise RuntimeError(_NOT_HF_PATH)
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def activate_past_recording(self):
+        self.record_past = True
+
+    def crop(self, tokens_to_remove) -> None:  # the cache crops every linear layer at once
+        pass
+
+    def reorder_cache(self, beam_idx) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class RecoverSSMCache(DynamicCache):
+    """The cache ``generate`` uses on a model converted by :func:`~ssm_spec.hf.apply_recoverssm`.
+
+    Args:
+        model: the converted model (its text config sizes the attention layers; its converted
+            GDN layers own the states).
+        max_pending: tokens per sequence kept croppable between forwards (``>= 1``); the
+            converted ``generate`` raises it to the draft length it will use. A prompt forward
+            runs the chunked prefill over all but its last ``max_pending`` tokens.
+        state_dtype: recurrent state dtype, ``torch.float32`` (default) or ``torch.bfloat16``.
+
+    Attributes:
+        stats: :class:`AcceptanceStats` of the speculative rounds seen by ``crop``.
+        prompt_len: tokens of the first forward that are prompt (set by the converted
+            ``generate``; used only to count the first round's drafts).
+
+    ``crop(m)`` with ``m <= 0`` removes the last ``-m`` tokens of every layer (transformers
+    5.15+; a 0-d tensor is accepted); a positive ``m`` is a length to crop to.
+
+    Raises:
+        ValueError: from ``crop``, a rollback deeper than the tokens held (nothing changes).
+    """
+
+    def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32):
+        from .adapter import RecoverGDNAdapter
+
+        config = model.config.get_text_config(decoder=True)
+        super().__init__(config=config)
+        self.adapters = [m for m in model.modules() if isinstance(m, RecoverGDNAdapter)]
+        if not self.adapters:
+            raise ValueError("RecoverSSMCache: the model has no converted GDN layer; call apply_recoverssm(model)")
+        linear = {a.layer_idx for a in self.adapters}
+        for i in linear:
+            if i >= len(self.layers):
+                raise ValueError(f"RecoverSSMCache: converted layer index {i} is outside the config's "
+                                 f"{len(self.layers)} layers")
+            self.layers[i] = RecoverLinearAttentionLayer()
+        self.max_pending = int(max_pending)
+        self.state_dtype = state_dtype
+        self.rollback: RollbackPool | None = None
+        self.stats = AcceptanceStats()
+        self.prompt_len: int | None = None
+        self._last_layer = None  # the converted layer index seen last in the current forward
+        self._forwards = 0
+        self._last_forward_len = 0
+        self._since_crop = 0
+
+    # ------------------------------------------------------------------ forwards
+    def linear_forward(self, adapter, hidden: torch.Tensor) -> torch.Tensor:
+        """Run a converted layer over ``hidden [B, L, D]`` (a new forward begins at the first
+        converted layer, or when a layer index repeats)."""
+        B, L = hidden.shape[:2]
+        if self._last_layer is None or adapter.layer_idx <= self._last_layer:
+            self._begin_forward(B, L, hidden)
+        self._last_layer = adapter.layer_idx
+        return self.rollback.run(adapter.inner, hidden)
+
+    def _begin_forward(self, B, L, hidden):
+        rb = self.rollback
+        if rb is None or rb.batch_size != B:
+            if rb is not None and rb.seen:
+                raise ValueError(f"RecoverSSMCache: batch size changed from {rb.batch_size} to {B} mid-sequence")
+            self.rollback = rb = RollbackPool([a.inner for a in self.adapters], B, self.max_pending,
+                                              dtype=self.state_dtype, conv_dtype=hidden.dtype, device=hidden.device)
+        rb.max_pending = max(rb.max_pending, self.max_pending)
+        rb.begin_forward(L)
+        self._forwards += 1
+        self._last_forward_len = L
+        self._since_crop += 1
+
+    # ------------------------------------------------------------------ transformers' cache API
+    def crop(self, max_length) -> None:
+        m = int(max_length)
+        if m > 0:  # an absolute length (older callers)
+            remove = self.get_seq_length() - m
+            if remove < 0:
+                return
+        else:
+            remove = -m
+        rb = self.rollback
+        if rb is not None:
+            one_round = self._since_crop == 1
+            first = self._forwards == 1
+            rb.crop(remove)  # raises before anything changes
+            if one_round:
+                drafts = self._last_forward_len - (self.prompt_len or 0) if first else self._last_forward_len - 1
+                if drafts >= 0 and not (first and self.prompt_len is None):
+                    self.stats.add(drafts, max(0, drafts - remove))
+        elif remove:
+            raise ValueError(f"crop: cannot remove {remove} tokens from an empty cache")
+        self._since_crop = 0
+        self._last_layer = None
+        for layer in self.layers:
+            if not isinstance(layer, RecoverLinearAttentionLayer):
+                layer.crop(-remove)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if all(isinstance(layer, RecoverLinearAttentionLayer) for layer in self.layers):
+            return self.rollback.seen if self.rollback is not None else 0
+        return super().get_seq_length(layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        if self.rollback is not None:
+            self.rollback.reorder(beam_idx)
+        self._last_layer = None
+        super().reorder_cache(beam_idx)
+
+    def reset(self):
+        self.rollback = None
+        self.stats = AcceptanceStats()
+        self._last_layer = None
+        self._forwards = self._since_crop = 0
+        super().reset()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,0 +1,247 @@
+"""``RollbackPool``: the states of B sequences with their last tokens kept pending.
+
+transformers' assisted generation and prompt lookup run a forward over the last token plus
+the drafts, then ``crop`` the cache back by the rejected drafts; an assistant's crops can span
+several forwards, and the first forward carries the prompt and the first drafts at once
+(DESIGN.md section 7). RecoverSSM serves this by holding, for each sequence, a **checkpoint**
+slot and the replay records of the tokens after it (the pending tokens):
+
+* a forward verifies its tokens from the state after the pending tokens (the checkpoint, or a
+  scratch slot holding checkpoint + pending, kept current by commits with ``dst != src``),
+  so the checkpoint is never written by a verify;
+* ``crop(m)`` replays all pending tokens but the last ``m`` into the checkpoint (one grouped
+  commit launch per state group) and leaves nothing pending;
+* at most ``max_pending`` tokens stay pending between forwards: older ones are committed when
+  the next forward begins; a forward into an empty state (a prompt) runs the chunked prefill
+  over all but its last ``max_pending`` tokens and verifies those.
+
+Every count is a host integer that transformers already holds (window lengths, crop sizes),
+so nothing here synchronises with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..metadata import RecoverSSMMetadata
+from ..pools import StatePool
+
+__all__ = ["RollbackPool"]
+
+
+@dataclass
+class _Plan:
+    """One forward: ``prefill_len`` tokens per row prefilled into the checkpoint, then the
+    remaining ``verify_len`` tokens verified (records kept pending)."""
+
+    prefill_len: int
+    verify_len: int
+    prefill: RecoverSSMMetadata | None
+    verify: RecoverSSMMetadata | None
+
+
+class RollbackPool:
+    """A :class:`~ssm_spec.StatePool` for ``batch_size`` sequences that can drop its last tokens.
+
+    Slots: row ``b``'s checkpoint is slot ``b``; slot ``batch_size + b`` is its scratch slot.
+
+    Args:
+        layers: the :class:`~ssm_spec.RecoverGatedDeltaNet` / :class:`~ssm_spec.RecoverShortConv`
+            modules, in model order.
+        batch_size: rows (sequences); every forward carries the same number of tokens per row.
+        max_pending: tokens kept pending between forwards (``>= 1``): the deepest crop that
+            must succeed after a forward without crops since.
+        dtype / conv_dtype / device: as :class:`~ssm_spec.StatePool`.
+
+    Raises:
+        ValueError: ``batch_size < 1`` or ``max_pending < 1``.
+    """
+
+    def __init__(self, layers, batch_size: int, max_pending: int, *, dtype=torch.float32, conv_dtype=None,
+                 device=None):
+        if batch_size < 1 or max_pending < 1:
+            raise ValueError(f"RollbackPool: batch_size={batch_size}, max_pending={max_pending}; expected >= 1")
+        self.layers = list(layers)
+        self.batch_size = int(batch_size)
+        self.max_pending = int(max_pending)
+        self._pool_kwargs = dict(dtype=dtype, conv_dtype=conv_dtype, device=device)
+        self.pool = StatePool(self.layers, num_slots=2 * self.batch_size,
+                              max_tokens=self.batch_size * self.max_pending, **self._pool_kwargs)
+        self.device = self.pool.device
+        B = self.batch_size
+        self._ckpt = torch.arange(B, dtype=torch.int32, device=self.device)
+        self._scratch = torch.arange(B, 2 * B, dtype=torch.int32, device=self.device)
+        self._no_boundaries = torch.empty((B, 0), dtype=torch.int32, device=self.device)
+        self.seen = 0  # tokens per row in the state, pending ones included
+        self._pending = {}  # group spec -> records [NL, B, p, ...] of the pending tokens
+        self._pending_len = 0
+        self._scratch_len = 0  # pending tokens already replayed into the scratch slots
+        self._unabsorbed = 0  # tokens per row whose records still sit in the pool's buffers
+        self._plan: _Plan | None = None
+        self._metadata_cache: dict = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def pending(self) -> int:
+        """Tokens per row after the checkpoint whose records are held (croppable)."""
+        return self._pending_len + self._unabsorbed
+
+    @property
+    def plan(self) -> _Plan:
+        if self._plan is None:
+            raise RuntimeError("RollbackPool: no forward has begun")
+        return self._plan
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self, num_tokens: int) -> _Plan:
+        """Plan a forward of ``num_tokens`` tokens per row (host ints only; launches at most one
+        grouped commit per state group to retire old pending tokens and one to bring the
+        scratch slots up to date)."""
+        L = int(num_tokens)
+        self._absorb()
+        p = self._pending_len
+        if self.seen == 0:  # a prompt: prefill all but the last max_pending tokens
+            verify_len = min(L, self.max_pending)
+            prefill_len = L - verify_len
+        else:  # retire the oldest pending tokens beyond max_pending; verify the whole forward
+            retire = min(p, max(0, p + L - self.max_pending))
+            if retire:
+                self._commit_pending(retire, into_checkpoint=True)
+            prefill_len, verify_len = 0, L
+        read = self._bring_scratch_up_to_date()
+        self._ensure_record_capacity(self.batch_size * verify_len)
+        key = (prefill_len, verify_len, self.seen == 0, read)
+        plan = self._metadata_cache.get(key)
+        if plan is None:
+            plan = self._metadata_cache[key] = self._build_plan(prefill_len, verify_len, read)
+        self._plan = plan
+        self.seen += L
+        self._unabsorbed = verify_len
+        return plan
+
+    def _build_plan(self, prefill_len, verify_len, read) -> _Plan:
+        B, S = self.batch_size, 2 * self.batch_size
+        fresh = self.seen == 0
+        prefill = verify = None
+        if prefill_len:
+            prefill = RecoverSSMMetadata.build([prefill_len] * B, [True] * B, [0] * B, list(range(B)),
+                                               num_slots=S, device=self.device)
+        if verify_len:
+            slots = list(range(B, 2 * B)) if read == "scratch" else list(range(B))
+            # num_computed_tokens only marks fresh rows here (no align mode): 0 zeroes the slot
+            nct = [0 if fresh and not prefill_len else 1] * B
+            verify = RecoverSSMMetadata.build([verify_len] * B, [False] * B, nct, slots, num_slots=S,
+                                              device=self.device)
+        return _Plan(prefill_len, verify_len, prefill, verify)
+
+    def run(self, layer, hidden: torch.Tensor) -> torch.Tensor:
+        """Run ``layer`` over this forward's ``hidden [B, L, D]`` -> ``[B, L, D]``."""
+        plan = self.plan
+        B, L, D = hidden.shape
+        if B != self.batch_size or L != plan.prefill_len + plan.verify_len:
+            raise ValueError(f"RollbackPool.run: hidden: got [{B}, {L}, {D}]; the forward planned "
+                             f"[{self.batch_size}, {plan.prefill_len + plan.verify_len}, ...]")
+        outs = []
+        for md, part in ((plan.prefill, hidden[:, :plan.prefill_len]), (plan.verify, hidden[:, plan.prefill_len:])):
+            if md is not None:
+                outs.append(layer(part.reshape(-1, D), md, self.pool).view(B, -1, D))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    # ------------------------------------------------------------------ crop
+    def crop(self, num_tokens: int) -> None:
+        """Remove the last ``num_tokens`` tokens of every row; commit the other pending ones.
+
+        Raises:
+            ValueError: ``num_tokens`` negative or more than the pending tokens (nothing changes).
+        """
+        m = int(num_tokens)
+        pending = self.pending
+        if m < 0 or m > pending:
+            raise ValueError(f"crop: cannot remove {m} tokens: only the last {pending} are held "
+                             f"(max_pending={self.max_pending}); raise max_pending for deeper rollbacks")
+        self._absorb()
+        keep = self._pending_len - m
+        if keep:
+            self._commit_pending(keep, into_checkpoint=True)
+        self._pending.clear()
+        self._pending_len = 0
+        self._scratch_len = 0
+        self.seen -= m
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder the rows (beam search): row ``b`` becomes old row ``index[b]``."""
+        self._absorb()
+        idx = index.to(device=self.device, dtype=torch.long)
+        rows = torch.cat([idx, idx + self.batch_size])
+        for state, _ in (*self.pool.gdn_groups.values(), *self.pool.conv_groups.values()):
+            state[:, : 2 * self.batch_size] = state[:, rows]
+        for spec, recs in self._pending.items():
+            self._pending[spec] = tuple(r[:, idx] for r in recs)
+
+    # ------------------------------------------------------------------ internals
+    def _groups(self):
+        for spec, (state, records) in self.pool.gdn_groups.items():
+            yield spec, "gdn", state, tuple(records)
+        for spec, (state, records) in self.pool.conv_groups.items():
+            yield spec, "conv", state, (records,)
+
+    def _absorb(self) -> None:
+        """Move the last forward's records from the pool's buffers to the pending store."""
+        t = self._unabsorbed
+        if not t:
+            return
+        B = self.batch_size
+        for spec, _, _, records in self._groups():
+            new = tuple(r[:, : B * t].unflatten(1, (B, t)).clone() for r in records)
+            old = self._pending.get(spec)
+            self._pending[spec] = new if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, new))
+        self._pending_len += t
+        self._unabsorbed = 0
+
+    def _commit_pending(self, n: int, *, into_checkpoint: bool) -> None:
+        """Replay pending tokens: the first ``n`` into the checkpoints (then drop them), or,
+        for the scratch slots, tokens ``[scratch_len, n)`` on top of what they hold."""
+        B = self.batch_size
+        lo = 0 if into_checkpoint else self._scratch_len
+        count = n - lo
+        if count <= 0:
+            return
+        src = self._ckpt if into_checkpoint or lo == 0 else self._scratch
+        dst = self._ckpt if into_checkpoint else self._scratch
+        qsl = torch.arange(0, B * count + 1, count, dtype=torch.int32, device=self.device)
+        counts = torch.full((B,), count, dtype=torch.int32, device=self.device)
+        for spec, kind, state, _ in self._groups():
+            recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
+            if kind == "gdn":
+                torch.ops.ssm_spec.gdn_commit(state, *recs, qsl, src, counts, dst, self._no_boundaries,
+                                              self._no_boundaries)
+            else:
+                torch.ops.ssm_spec.short_conv_commit(state, *recs, qsl, src, counts, dst, self._no_boundaries,
+                                                     self._no_boundaries)
+        if into_checkpoint:
+            for spec, recs in self._pending.items():
+                self._pending[spec] = tuple(r[:, :, n:] for r in recs)
+            self._pending_len -= n
+            self._scratch_len = max(0, self._scratch_len - n)
+        else:
+            self._scratch_len = n
+
+    def _bring_scratch_up_to_date(self) -> str:
+        """Make the scratch slots hold checkpoint + every pending token; say where to read."""
+        if not self._pending_len:
+            self._scratch_len = 0
+            return "checkpoint"
+        self._commit_pending(self._pending_len, into_checkpoint=False)
+        return "scratch"
+
+    def _ensure_record_capacity(self, tokens: int) -> None:
+        if tokens <= self.pool.max_tokens:
+            return
+        bigger = StatePool(self.layers, num_slots=self.pool.num_slots, max_tokens=max(tokens, 2 * self.pool.max_tokens),
+                           **self._pool_kwargs)
+        for (new, _), (old, _) in zip((*bigger.gdn_groups.values(), *bigger.conv_groups.values()),
+                                      (*self.pool.gdn_groups.values(), *self.pool.conv_groups.values())):
+            new.copy_(old)
+        self.pool = bigger
