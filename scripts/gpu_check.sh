@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [diag-fla]     (default: tests bench)
-# Writes logs, JUnit XML and benchmark JSON/PNG under $OUT and prints a short table last.
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [diag-fla]     (default: tests bench)
+#   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
+# Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
 set -uo pipefail
@@ -22,8 +23,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
 for part in $PARTS; do
   case $part in
-    tests)
-      python3 -m pytest -q -p no:cacheprovider tests --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
+    tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
+      python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/tests.log"
       summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
       python3 -m ssm_spec selfcheck 2>&1 | tee "$OUT/selfcheck.log"
       summary+=("selfcheck: $(tail -n 1 "$OUT/selfcheck.log")")
@@ -31,6 +32,10 @@ for part in $PARTS; do
     bench)
       python3 benchmarks/bench_ops.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_fp32.log"
       summary+=("bench fp32: see table above ($OUT/bench_fp32.log)")
+      ;;
+    bench-hf)
+      python3 benchmarks/bench_hf_generate.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_hf.log"
+      summary+=("bench hf: $OUT/bench_hf.log")
       ;;
     diag-fla)
       python3 scripts/diag_fla_prefill.py 2>&1 | tee "$OUT/diag_fla.log"

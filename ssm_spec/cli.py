@@ -2,6 +2,11 @@
 
 ssm-spec selfcheck [--seed N]: run every op against the token-by-token reference on random
 data and print a table (exit status 1 if any check fails).
+
+ssm-spec generate [--model PATH] [--draft prompt-lookup|self|PATH] [--check] ...: speculative
+decoding with generate on a Qwen3-Next / Qwen3.5 model (default: an embedded tiny model, no
+download); prints the text, tokens/s and acceptance statistics (exit status 1 if --check finds
+tokens that differ from plain greedy, 2 on a usage or model error). Needs the hf extra.
 """
 
 from __future__ import annotations
@@ -11,15 +16,31 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand and return its exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="ssm-spec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("selfcheck", help="run every op against the reference and print a table")
     check.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
+    gen = sub.add_parser("generate", help="speculative decoding on a Qwen3-Next / Qwen3.5 model with generate",
+                         description="Speculative decoding (prompt lookup or a draft model) with transformers' "
+                                     "generate on a Qwen3-Next / Qwen3.5 model converted by apply_recoverssm; "
+                                     "prints the text, tokens/s and acceptance statistics.")
+    if argv[:1] == ["generate"]:  # its options import transformers (the hf extra): only when asked for
+        try:
+            from .hf import cli_generate
+        except ImportError as exc:
+            print(f"ssm-spec generate: error: needs transformers (pip install 'ssm-spec[hf]'): {exc}",
+                  file=sys.stderr)
+            return 2
+        cli_generate.add_arguments(gen)
     args = parser.parse_args(argv)
     if args.command == "selfcheck":
         from .selfcheck import main as selfcheck_main
 
         return selfcheck_main(args.seed)
+    if args.command == "generate":
+        return cli_generate.main(args)
     return 2
 
 

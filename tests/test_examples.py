@@ -17,3 +17,9 @@ def test_custom_qwen_fork_speculative_tokens_equal_greedy(capsys):
     example = _load("custom_qwen_fork")
     assert example.main(["--tokens", "40", "--k", "3", "--seed", "3"]) == 0
     assert "identical  : True" in capsys.readouterr().out
+
+
+def test_hf_assisted_generate_example_equals_plain_greedy(capsys):
+    example = _load("hf_assisted_generate")
+    assert example.main([]) == 0
+    assert "equal plain greedy: True" in capsys.readouterr().out

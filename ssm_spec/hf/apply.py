@@ -117,15 +117,16 @@ def _wrap_generate(model):
         if cache is None:
             cache = RecoverSSMCache(model, max_pending=R, state_dtype=model._recoverssm["state_dtype"])
             kwargs[key] = cache
-            prompt = named.get("inputs")
-            if prompt is None:
-                prompt = named.get("input_ids")
-            cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
         elif isinstance(cache, RecoverSSMCache):
             cache.max_pending = max(cache.max_pending, R)
         else:
             raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
                              "(or none, and generate creates it)")
+        if cache.prompt_len is None and cache.get_seq_length() == 0:  # counts the first round's drafts
+            prompt = named.get("inputs")
+            if prompt is None:
+                prompt = named.get("input_ids")
+            cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
         return original(*args, **kwargs)
 
     model.generate = generate

@@ -29,6 +29,7 @@ class AcceptanceStats:
     """
 
     rounds: int = 0
+    empty_rounds: int = 0  # rounds with no draft (prompt lookup found nothing)
     drafted: int = 0
     accepted: int = 0
     per_position: list[int] = field(default_factory=list)
@@ -36,6 +37,7 @@ class AcceptanceStats:
 
     def add(self, drafts: int, accepted: int) -> None:
         self.rounds += 1
+        self.empty_rounds += drafts == 0
         self.drafted += drafts
         self.accepted += accepted
         if drafts > len(self.offered):

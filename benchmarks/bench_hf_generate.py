@@ -1,0 +1,613 @@
+"""Benchmark transformers ``generate`` against prompt lookup through ``RecoverSSMCache``.
+
+One run builds a random-weight Qwen3-Next with realistic widths
+(:func:`ssm_spec.hf.tiny_model`; default hidden 2048, 8 layers, 16 key / 32 value GDN heads of
+dim 128, 16 attention heads of dim 128 with 2 KV heads, MLP 5632, bf16) and a repetitive byte
+prompt (a sentence repeated ``--prompt-repeats`` times, batch 1), then measures, each after a
+warm-up ``generate`` (full length by default, so every kernel is compiled and every draft width
+seen) and as the median of ``--repeats`` timed calls:
+
+1. ``hf``: plain greedy ``generate`` on the unconverted model (transformers' own GDN path,
+   with fla-core's kernels where installed);
+2. ``ours``: plain greedy ``generate`` on the same model after ``apply_recoverssm`` (converted
+   in place, so this runs second);
+3. ``ours+lookup``: ``generate(prompt_lookup_num_tokens=k)`` on the converted model, with a
+   ``RecoverSSMCache`` passed in to read its acceptance stats afterwards.
+
+Every run produces exactly ``--new-tokens`` tokens (``max_new_tokens = min_new_tokens``). It
+reports tokens/s (prompt prefill included), the speedup of (3) over (1), and whether the
+three token sequences agree; in bf16 they may part after a near-tie, so for each pair it gives
+the first differing index and the logit gap there (top-1 minus top-2, and the logit of one
+run's token minus the other's), from a forward of the unconverted model over the prefix of (1)
+(computed once over the whole plain sequence, before the conversion).
+
+It also times single forwards with a warm cache: W = 1 (a decode step) and W = k + 1 (a
+verify step) through the converted model (``RecoverSSMCache`` holding the prompt; each
+forward is followed by ``crop(-W)``, so the state is the same every time; forward and crop
+timed separately, median of ``--forward-reps``), and W = 1 through the unconverted model with
+transformers' cache (the state advances, as it cannot roll back; ``--hf-verify-forward`` adds
+W = k + 1 there too).
+
+The weights are ``tiny_model``'s, with its linear-weight std scaled with the width by default
+(``--std``: ``0.2 * sqrt(64 / hidden)``, i.e. ``tiny_model``'s own 0.2 at its hidden size of 64).
+At the unscaled 0.2 a 2048-wide model's residual stream is dominated by the MLPs (activations
+grow with sqrt(width)), greedy text never repeats and prompt lookup accepts nothing; scaled,
+the model keeps the tiny model's behaviour (the current token's embedding matters, greedy text
+falls into loops that prompt lookup can draft from). ``--std 0.2`` gives the unscaled model.
+
+``--quick`` is a smoke test of the script (tiny widths, few tokens; runs on CPU in seconds).
+
+Usage::
+
+    python benchmarks/bench_hf_generate.py                     # cuda, bf16, 256 new tokens
+    python benchmarks/bench_hf_generate.py --dtype float32
+    python benchmarks/bench_hf_generate.py --device cpu --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import inspect
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RUNS = ("hf", "ours", "ours+lookup")
+RUN_TITLES = {
+    "hf": "(1) plain generate, unconverted model (transformers' GDN path)",
+    "ours": "(2) plain generate, converted model (RecoverSSMCache)",
+    "ours+lookup": "(3) prompt-lookup generate, converted model",
+}
+SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
+
+#: Widths of the default (H200) model and of ``--quick``.
+FULL = dict(hidden=2048, layers=8, key_heads=16, value_heads=32, head_dim=128, attn_heads=16,
+            kv_heads=2, attn_head_dim=128, intermediate=5632, new_tokens=256, repeats=2,
+            forward_reps=20, prompt_repeats=4)
+QUICK = dict(hidden=64, layers=4, key_heads=2, value_heads=4, head_dim=16, attn_heads=4,
+             kv_heads=2, attn_head_dim=16, intermediate=128, new_tokens=32, repeats=1,
+             forward_reps=5, prompt_repeats=3)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class Phases:
+    """Wall time of the named phases of a run (``with phases("name"): ...``), synchronised."""
+
+    def __init__(self, clock):
+        self.clock, self.seconds = clock, {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + self.clock() - t0
+
+
+class Clock:
+    """``time.perf_counter`` with a device synchronisation before each reading."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def cache_kwarg(model) -> str:
+    """transformers' name for the cache argument: ``cache`` (5.2x+) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def output_cache(out):
+    for name in ("cache", "past_key_values"):
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """First index where ``a`` and ``b`` differ (``None`` when equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def package_version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:
+        return None
+
+
+def _implementation(fn):
+    """The function a transformers fallback wrapper dispatches to (its ``implementation`` free
+    variable, through ``__wrapped__`` chains), or ``fn`` itself."""
+    seen = 0
+    while fn is not None and seen < 8:
+        code = getattr(fn, "__code__", None)
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
+        if "implementation" in cells:
+            try:
+                return cells["implementation"].cell_contents
+            except ValueError:  # an empty cell
+                return fn
+        if getattr(fn, "__wrapped__", None) is None:
+            return fn
+        fn, seen = fn.__wrapped__, seen + 1
+    return fn
+
+
+def kernel_sources(model) -> dict:
+    """Best effort: the module each GDN kernel of the unconverted model comes from (fla,
+    causal_conv1d, or transformers' torch fallback), read from the layer's attributes or the
+    modeling module's functions, unwrapping transformers' hub/fallback wrappers."""
+    layer = next((m for m in model.modules() if hasattr(m, "A_log")), None)
+    if layer is None:
+        return {}
+    modeling = sys.modules.get(type(layer).__module__)
+    out = {}
+    for name in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                 "causal_conv1d_fn", "causal_conv1d_update"):
+        fn = None
+        for candidate in (name, f"torch_{name}"):
+            fn = getattr(layer, candidate, None) or getattr(modeling, candidate, None)
+            if fn is not None:
+                break
+        if fn is None:
+            continue
+        impl = _implementation(fn)
+        out[name] = f"{getattr(impl, '__module__', None) or type(impl).__name__}.{getattr(impl, '__name__', '?')}"
+    fast = getattr(modeling, "is_fast_path_available", None)
+    if fast is not None:
+        out["is_fast_path_available"] = bool(fast)
+    return out
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": package_version("transformers"),
+        "cuda": torch.version.cuda,
+        "fla_core": package_version("fla-core") or package_version("flash-linear-attention"),
+        "fla_importable": importlib.util.find_spec("fla") is not None,
+        "causal_conv1d_importable": importlib.util.find_spec("causal_conv1d") is not None,
+        "triton": package_version("triton"),
+    }
+    if device.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(device)
+        env["driver_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        env["device"] = f"cpu-{platform.machine() or 'unknown'}"
+        env["cpu_threads"] = torch.get_num_threads()
+    return env
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def gen_kwargs(n: int, attention_mask: torch.Tensor) -> dict:
+    from ssm_spec.hf import ByteTokenizer
+    return dict(attention_mask=attention_mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                pad_token_id=ByteTokenizer.pad_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+                temperature=None, top_p=None, top_k=None)
+
+
+def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens, repeats,
+                   make_extra=None) -> dict:
+    """Median wall time of ``repeats`` greedy ``generate`` calls (after one warm-up call of
+    ``warmup_tokens``); ``make_extra()`` gives per-call kwargs (a fresh cache)."""
+    mask = torch.ones_like(ids)
+    extra = make_extra() if make_extra else {}
+    with phases(f"{name} warm-up"):
+        model.generate(ids, **gen_kwargs(warmup_tokens, mask), **extra)
+    times, seq, last_extra = [], None, None
+    for _ in range(repeats):
+        last_extra = make_extra() if make_extra else {}
+        t0 = clock()
+        out = model.generate(ids, **gen_kwargs(new_tokens, mask), **last_extra)
+        times.append(clock() - t0)
+        new = out[0, ids.shape[1]:].tolist()
+        if seq is not None and new != seq:
+            print("warning: repeated generate calls gave different tokens", file=sys.stderr)
+        seq = new
+    med = statistics.median(times)
+    phases.seconds[f"{name} timed"] = sum(times)
+    return {"tokens": seq, "new_tokens": len(seq), "times_s": times, "time_s": med,
+            "tokens_per_s": len(seq) / med, "extra": last_extra}
+
+
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[L, V]`` fp32 logits of one forward over ``ids [1, L]`` from an empty cache (with a
+    cache, so transformers runs the same kernel variants as in a prompt prefill: fla's
+    chunked kernels specialise on storing the final state)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    return out.logits[0].float()
+
+
+def gap_at(logits: torch.Tensor, pos: int, tok_a: int, tok_b: int) -> dict:
+    row = logits[pos]
+    top = torch.topk(row, 2)
+    return {"top1_minus_top2": float(top.values[0] - top.values[1]),
+            "top1_token": int(top.indices[0]),
+            "logit_a_minus_b": float(row[tok_a] - row[tok_b])}
+
+
+def time_forwards(model, prompt, clock, widths, reps, warmup, *, rollback: bool, make_cache, key) -> dict:
+    """Median time of a forward of ``W`` tokens after a prefill of ``prompt``, per ``W``.
+
+    ``rollback``: a ``RecoverSSMCache`` cropped by ``W`` after every forward (the state stays
+    the prompt's; crop timed separately). Otherwise transformers' cache, advancing. Each forward
+    gets a full-length all-ones ``attention_mask``, as ``generate`` passes one."""
+    res = {}
+    seen = prompt.shape[1]
+
+    def ones(n):
+        return torch.ones(1, n, dtype=torch.long, device=prompt.device)
+
+    with torch.no_grad():
+        cache = make_cache()
+        kw = {key: cache} if cache is not None else {}
+        out = model(input_ids=prompt, attention_mask=ones(seen), use_cache=True, **kw)
+        if cache is None:
+            cache = output_cache(out)
+        if rollback:
+            cache.crop(0)  # commit the pending prompt tokens
+        for W in widths:
+            x = prompt[:, -W:]
+            fwd, crop = [], []
+            for i in range(warmup + reps):
+                mask = ones(seen + W)
+                t0 = clock()
+                model(input_ids=x, attention_mask=mask, use_cache=True, **{key: cache})
+                t1 = clock()
+                if rollback:
+                    cache.crop(-W)
+                else:
+                    seen += W
+                t2 = clock()
+                if i >= warmup:
+                    fwd.append(t1 - t0)
+                    crop.append(t2 - t1)
+            entry = {"forward_ms": 1e3 * statistics.median(fwd), "forward_ms_all": [1e3 * t for t in fwd]}
+            if rollback:
+                entry["crop_ms"] = 1e3 * statistics.median(crop)
+                entry["forward_plus_crop_ms"] = 1e3 * statistics.median([a + b for a, b in zip(fwd, crop)])
+            res[str(W)] = entry
+    return res
+
+
+def run(args) -> dict:
+    from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dtype, state_dtype = DTYPES[args.dtype], DTYPES[args.state_dtype]
+    clock = Clock(device)
+    phases = Phases(clock)
+    k = args.num_draft_tokens
+    N = args.new_tokens
+    t_start = time.perf_counter()
+
+    cfg = dict(hidden_size=args.hidden, num_layers=args.layers, linear_num_key_heads=args.key_heads,
+               linear_num_value_heads=args.value_heads, linear_head_dim=args.head_dim,
+               num_attention_heads=args.attn_heads, num_key_value_heads=args.kv_heads,
+               head_dim=args.attn_head_dim, intermediate_size=args.intermediate)
+    init = dict(std=args.std, embed_std=args.embed_std, residual_scale=args.residual_scale)
+    with phases("build"):
+        model = tiny_model(args.kind, seed=args.seed, dtype=dtype, **init, **cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {args.kind} {n_params / 1e6:.1f}M params, {args.dtype}, std {args.std:.4g}, "
+          f"built in {phases.seconds['build']:.1f} s", flush=True)
+
+    tok = ByteTokenizer()
+    prompt = torch.tensor([tok.encode(SENTENCE * args.prompt_repeats)], device=device)
+    P = prompt.shape[1]
+    kernels = kernel_sources(model)
+    common = dict(new_tokens=N, warmup_tokens=args.warmup_tokens, repeats=args.repeats)
+
+    # (1) transformers' own path, before the in-place conversion.
+    runs = {}
+    runs["hf"] = timed_generate(model, prompt, clock, phases, "hf", **common)
+    print(f"hf:          {runs['hf']['tokens_per_s']:8.1f} tok/s", flush=True)
+    plain_seq = prompt[0].tolist() + runs["hf"]["tokens"]
+    with phases("hf logits"):
+        plain_logits = full_logits(model, torch.tensor([plain_seq], device=device))
+    with phases("hf forwards"):
+        try:
+            hf_widths = [1, k + 1] if args.hf_verify_forward else [1]
+            hf_forwards = time_forwards(model, prompt, clock, hf_widths, args.forward_reps, args.forward_warmup,
+                                        rollback=False, make_cache=lambda: None, key=cache_kwarg(model))
+        except Exception as exc:  # informative only; never lose the main numbers
+            hf_forwards = {"error": f"{type(exc).__name__}: {exc}"}
+
+    # (2), (3): the same weights, converted in place.
+    with phases("convert"):
+        apply_recoverssm(model, state_dtype=state_dtype)
+    key = cache_kwarg(model)
+    runs["ours"] = timed_generate(model, prompt, clock, phases, "ours", **common)
+    print(f"ours:        {runs['ours']['tokens_per_s']:8.1f} tok/s", flush=True)
+
+    def lookup_cache():
+        cache = RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype)
+        return {"prompt_lookup_num_tokens": k, key: cache}
+
+    runs["ours+lookup"] = timed_generate(model, prompt, clock, phases, "lookup", make_extra=lookup_cache, **common)
+    print(f"ours+lookup: {runs['ours+lookup']['tokens_per_s']:8.1f} tok/s", flush=True)
+    stats = runs["ours+lookup"]["extra"][key].stats
+    acceptance = {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
+                  "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
+                  "position_rates": stats.position_rates}
+
+    with phases("ours forwards"):
+        ours_forwards = time_forwards(
+            model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
+            make_cache=lambda: RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype))
+
+    # Agreement of the three token sequences.
+    agreement = {}
+    with phases("agreement"):
+        for a, b in (("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")):
+            sa, sb = runs[a]["tokens"], runs[b]["tokens"]
+            d = first_diff(sa, sb)
+            entry = {"equal": d is None, "first_diff": d}
+            if d is not None:
+                ta, tb = sa[d], sb[d]
+                entry.update({"token_a": ta, "token_b": tb})
+                if sa[:d] == runs["hf"]["tokens"][:d]:  # the prefix is (1)'s: the unconverted model's logits
+                    entry.update(gap_at(plain_logits, P + d - 1, ta, tb), gap_model="unconverted")
+                else:  # (2) and (3) parted from (1) earlier: the converted model on (2)'s prefix
+                    with torch.no_grad():
+                        ids = torch.tensor([prompt[0].tolist() + sa[:d]], device=device)
+                    logits = full_logits(model, ids)
+                    entry.update(gap_at(logits, P + d - 1, ta, tb), gap_model="converted")
+            agreement[f"{a} vs {b}"] = entry
+    top2 = torch.topk(plain_logits[P - 1:P - 1 + N], 2).values
+    gen_gaps = (top2[:, 0] - top2[:, 1]).tolist()
+
+    for r in runs.values():
+        r.pop("extra", None)
+    tps = {name: runs[name]["tokens_per_s"] for name in RUNS}
+    fw1, fwW = ours_forwards["1"], ours_forwards[str(k + 1)]
+    res = {
+        "environment": environment(device),
+        "config": {"kind": args.kind, **cfg, **init, "dtype": args.dtype, "state_dtype": args.state_dtype,
+                   "params": n_params, "seed": args.seed, "prompt_len": P, "prompt_repeats": args.prompt_repeats,
+                   "new_tokens": N, "num_draft_tokens": k, "repeats": args.repeats,
+                   "warmup_tokens": args.warmup_tokens, "forward_reps": args.forward_reps, "quick": args.quick,
+                   "batch": 1, "greedy": True},
+        "hf_kernels": kernels,
+        "runs": runs,
+        "tokens_per_s": tps,
+        "speedup_lookup_over_hf": tps["ours+lookup"] / tps["hf"],
+        "speedup_ours_over_hf": tps["ours"] / tps["hf"],
+        "speedup_lookup_over_ours": tps["ours+lookup"] / tps["ours"],
+        "acceptance": acceptance,
+        "agreement": agreement,
+        "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
+        "plain_logit_gaps": gen_gaps,
+        "forwards": {"ours": ours_forwards, "hf": hf_forwards,
+                     "ours_verify_over_decode": fwW["forward_ms"] / fw1["forward_ms"],
+                     "ours_verify_over_decode_with_crop": fwW["forward_plus_crop_ms"] / fw1["forward_plus_crop_ms"]},
+        "phases_s": phases.seconds,
+        "total_s": time.perf_counter() - t_start,
+    }
+    if str(k + 1) in hf_forwards:
+        res["forwards"]["hf_verify_over_decode"] = (hf_forwards[str(k + 1)]["forward_ms"]
+                                                    / hf_forwards["1"]["forward_ms"])
+    return res
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_table(res: dict) -> None:
+    env, c = res["environment"], res["config"]
+    k = c["num_draft_tokens"]
+    print()
+    print(f"{env['device']}  torch {env['torch']}  transformers {env['transformers']}  "
+          f"fla-core {env['fla_core'] or '-'}")
+    print(f"{c['kind']} hidden={c['hidden_size']} layers={c['num_layers']} GDN {c['linear_num_key_heads']}k/"
+          f"{c['linear_num_value_heads']}v x {c['linear_head_dim']}  attn {c['num_attention_heads']}q/"
+          f"{c['num_key_value_heads']}kv x {c['head_dim']}  mlp {c['intermediate_size']}  "
+          f"({c['params'] / 1e6:.0f}M)  {c['dtype']}, state {c['state_dtype']}")
+    print(f"prompt {c['prompt_len']} tokens, {c['new_tokens']} new tokens, k={k} drafts, batch 1, greedy, "
+          f"median of {c['repeats']}")
+    if res["hf_kernels"]:
+        print("hf kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_kernels"].items()))
+    head = f"{'run':<12} | {'tok/s':>8} {'time s':>8} {'vs (1)':>7} | {'same as (1)':>12}"
+    print(head)
+    print("-" * len(head))
+    for name in RUNS:
+        r = res["runs"][name]
+        if name == "hf":
+            same = "-"
+        else:
+            a = res["agreement"][f"hf vs {name}"]
+            same = "yes" if a["equal"] else f"no @ {a['first_diff']}"
+        print(f"{name:<12} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} "
+              f"{r['tokens_per_s'] / res['runs']['hf']['tokens_per_s']:6.2f}x | {same:>12}")
+    acc = res["acceptance"]
+    print(f"lookup: {acc['rounds']} rounds, mean accepted length {acc['mean_accepted_length']:.2f}, "
+          f"acceptance rate {acc['acceptance_rate']:.2f}, per position "
+          + " ".join(f"{x:.2f}" for x in acc["position_rates"]))
+    for pair, a in res["agreement"].items():
+        if not a["equal"]:
+            print(f"  {pair}: first difference at new token {a['first_diff']} "
+                  f"({a['token_a']} vs {a['token_b']}); {a['gap_model']} model there: top1-top2 "
+                  f"{a['top1_minus_top2']:.4g}, logit(a)-logit(b) {a['logit_a_minus_b']:.4g}")
+    if res["plain_min_logit_gap"] is not None:
+        print(f"  smallest top1-top2 logit gap along (1): {res['plain_min_logit_gap']:.4g}")
+    fw = res["forwards"]
+    print(f"single forwards, warm cache (median ms): W=1 decode, W={k + 1} verify")
+    o1, oW = fw["ours"]["1"], fw["ours"][str(k + 1)]
+    print(f"  ours: fwd {o1['forward_ms']:.3f} / {oW['forward_ms']:.3f}  (x{fw['ours_verify_over_decode']:.2f}); "
+          f"crop {o1['crop_ms']:.3f} / {oW['crop_ms']:.3f}; fwd+crop x{fw['ours_verify_over_decode_with_crop']:.2f}")
+    if "error" in fw["hf"]:
+        print(f"  hf:   {fw['hf']['error']}")
+    else:
+        h = " / ".join(f"{fw['hf'][w]['forward_ms']:.3f}" for w in fw["hf"])
+        ratio = f"x{fw['hf_verify_over_decode']:.2f}; " if "hf_verify_over_decode" in fw else ""
+        print(f"  hf:   fwd {h}  ({ratio}transformers' cache, state advancing)")
+    print("wall time (s): " + ", ".join(f"{n} {t:.1f}" for n, t in res["phases_s"].items())
+          + f"; total {res['total_s']:.0f}")
+    print(f"speedup (3) over (1): {res['speedup_lookup_over_hf']:.2f}x, (2) over (1): "
+          f"{res['speedup_ours_over_hf']:.2f}x, (3) over (2): {res['speedup_lookup_over_ours']:.2f}x")
+
+
+def save_plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    c, k = res["config"], res["config"]["num_draft_tokens"]
+    fig, (ax_g, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = ["(1) hf generate", "(2) ours generate", f"(3) ours + lookup k={k}"]
+    vals = [res["tokens_per_s"][n] for n in RUNS]
+    bars = ax_g.bar(labels, vals, color=["tab:gray", "tab:blue", "tab:green"])
+    for bar, v in zip(bars, vals):
+        ax_g.annotate(f"{v:.0f}\n({v / vals[0]:.2f}x)", (bar.get_x() + bar.get_width() / 2, v),
+                      ha="center", va="bottom", fontsize=8)
+    ax_g.set(ylabel="tokens / s", title=f"generate, {c['new_tokens']} new tokens, batch 1")
+    ax_g.margins(y=0.2)
+    ax_g.tick_params(axis="x", labelsize=8)
+
+    fw = res["forwards"]
+    widths = ["1", str(k + 1)]
+    x = range(len(widths))
+    series = [("ours fwd", [fw["ours"][w]["forward_ms"] for w in widths]),
+              ("ours crop", [fw["ours"][w]["crop_ms"] for w in widths])]
+    if "error" not in fw["hf"]:
+        series.append(("hf fwd", [fw["hf"][w]["forward_ms"] if w in fw["hf"] else 0.0 for w in widths]))
+    n = len(series)
+    for i, (label, ys) in enumerate(series):
+        ax_f.bar([xi + (i - (n - 1) / 2) * 0.8 / n for xi in x], ys, width=0.8 / n, label=label)
+    ax_f.set_xticks(list(x), [f"W={w}" for w in widths])
+    ax_f.set(ylabel="median ms", title="one forward, warm cache")
+    ax_f.legend(fontsize=8)
+    for ax in (ax_g, ax_f):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{res['environment']['device']}: {c['kind']} {c['params'] / 1e6:.0f}M, {c['dtype']}; "
+                 f"mean accepted length {res['acceptance']['mean_accepted_length']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--quick", action="store_true", help="tiny widths and few tokens (a CPU smoke run)")
+    p.add_argument("--kind", choices=["qwen3_next", "qwen3_5"], default="qwen3_next", help="model family")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="model dtype")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="recurrent state dtype of the RecoverSSM cache")
+    p.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {FULL['hidden']})")
+    p.add_argument("--layers", type=int, default=None, help=f"decoder layers, every 4th full attention "
+                                                            f"(default {FULL['layers']})")
+    p.add_argument("--key-heads", type=int, default=None, help=f"GDN key heads (default {FULL['key_heads']})")
+    p.add_argument("--value-heads", type=int, default=None,
+                   help=f"GDN value heads (default {FULL['value_heads']})")
+    p.add_argument("--head-dim", type=int, default=None, help=f"GDN head dim (default {FULL['head_dim']})")
+    p.add_argument("--attn-heads", type=int, default=None,
+                   help=f"attention query heads (default {FULL['attn_heads']})")
+    p.add_argument("--kv-heads", type=int, default=None, help=f"attention KV heads (default {FULL['kv_heads']})")
+    p.add_argument("--attn-head-dim", type=int, default=None,
+                   help=f"attention head dim (default {FULL['attn_head_dim']})")
+    p.add_argument("--intermediate", type=int, default=None, help=f"MLP width (default {FULL['intermediate']})")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help=f"tokens every run generates (default {FULL['new_tokens']})")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="prompt_lookup_num_tokens (k)")
+    p.add_argument("--prompt-repeats", type=int, default=None,
+                   help=f"times the sentence is repeated in the prompt (default {FULL['prompt_repeats']})")
+    p.add_argument("--repeats", type=int, default=None, help=f"timed generate calls per run, median "
+                                                             f"(default {FULL['repeats']})")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens of each warm-up generate (default: --new-tokens)")
+    p.add_argument("--forward-reps", type=int, default=None,
+                   help=f"timed single forwards per width, median (default {FULL['forward_reps']})")
+    p.add_argument("--forward-warmup", type=int, default=3, help="untimed single forwards per width")
+    p.add_argument("--hf-verify-forward", action="store_true",
+                   help="also time a W = k + 1 forward of the unconverted model (state advancing; compiles "
+                        "fla's chunked kernels for a cached short window: ~15 s more on a fresh H200)")
+    p.add_argument("--seed", type=int, default=0, help="model weights seed")
+    p.add_argument("--std", type=float, default=None,
+                   help="std of the linear weights (default 0.2 * sqrt(64 / hidden): tiny_model's 0.2 at "
+                        "hidden 64, scaled with the width)")
+    p.add_argument("--embed-std", type=float, default=10.0, help="std of the embeddings (tiny_model's)")
+    p.add_argument("--residual-scale", type=float, default=0.5,
+                   help="scale of the mixers' and MLPs' output projections (tiny_model's)")
+    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
+                   help="where the JSON and the plot go")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here (use --device cpu --quick for a smoke test)")
+    defaults = QUICK if args.quick else FULL
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup_tokens is None:
+        args.warmup_tokens = args.new_tokens
+    if args.std is None:
+        args.std = 0.2 * math.sqrt(64 / args.hidden)
+    if args.value_heads % args.key_heads:
+        p.error("--value-heads must be a multiple of --key-heads")
+    if args.attn_heads % args.kv_heads:
+        p.error("--attn-heads must be a multiple of --kv-heads")
+    if min(args.new_tokens, args.num_draft_tokens, args.repeats, args.forward_reps, args.warmup_tokens) < 1:
+        p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    res = run(args)
+    print_table(res)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"hf_generate_{args.dtype}"
+    json_path = args.out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    png_path = args.out_dir / f"{stem}.png"
+    if save_plot(res, png_path):
+        print(f"wrote {png_path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

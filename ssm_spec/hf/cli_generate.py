@@ -1,0 +1,506 @@
+"""``ssm-spec generate``: speculative decoding on a Qwen3-Next / Qwen3.5 model from the shell.
+
+Loads a local checkpoint (or builds the embedded tiny model), converts it with
+:func:`~ssm_spec.hf.apply_recoverssm`, runs ``generate`` with prompt lookup or a draft model,
+and prints the text and a table: tokens/s and the acceptance statistics of the
+:class:`~ssm_spec.hf.RecoverSSMCache`. With ``--check`` it also runs plain greedy ``generate``
+on an unconverted copy of the model and reports whether the tokens are equal.
+
+Exit status: 0 on success; 1 when ``--check`` finds tokens that differ from plain greedy; 2 on
+a usage error, a missing checkpoint, or a model that is not Qwen3-Next / Qwen3.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+__all__ = ["DEFAULT_PROMPT", "CLIError", "ProgressStreamer", "RunResult", "add_arguments", "main"]
+
+DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+                  "The quick brown fox")
+TINY_KIND = "qwen3_next"
+POSITIONS_SHOWN = 8  # per-position acceptance rates printed
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class CLIError(Exception):
+    """A user-facing error: its message goes to stderr and the command exits with status 2."""
+
+
+# ---------------------------------------------------------------------------------- arguments
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``generate`` options to ``parser`` (an argparse subparser)."""
+    parser.add_argument("--model", metavar="PATH", default=None,
+                        help="a local Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny "
+                             f"{TINY_KIND} model with random weights and a byte tokenizer)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a short repetitive sentence)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens to generate (256)")
+    parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|PATH",
+                        help="where drafts come from: prompt lookup (default), 'self' (the model drafts for "
+                             "itself: every draft is accepted), or a local causal LM checkpoint used as the "
+                             "assistant model (converted with apply_recoverssm when it has GDN layers)")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="K",
+                        help="drafts per round: prompt_lookup_num_tokens, or the assistant's "
+                             "num_assistant_tokens (5)")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
+                        help="the assistant's assistant_confidence_threshold: it stops drafting early when its "
+                             "top probability drops below P (default 0: always draft K tokens; transformers' "
+                             "own default is 0.4)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="model dtype (float32, the default, gives exactly plain greedy's tokens; it also "
+                             "keeps TF32 out of cuBLAS, cuDNN and Triton dots unless TRITON_F32_DEFAULT is set)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the tiny model's weights and of sampling (0)")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --do-sample)")
+    parser.add_argument("--warmup", type=int, default=16, metavar="N",
+                        help="new tokens of an untimed warm-up call before each timed run (kernel compiles, "
+                             "allocator); 0 skips it (16)")
+    parser.add_argument("--check", action="store_true",
+                        help="also run plain greedy generate on an unconverted copy of the model and report "
+                             "whether the tokens are equal (exit status 1 if not); needs greedy decoding")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars or notes on stderr (the text and the table still print)")
+
+
+def _validate(args) -> None:
+    if args.max_new_tokens < 1:
+        raise CLIError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
+    if args.num_draft_tokens < 1:
+        raise CLIError(f"--num-draft-tokens: expected >= 1, got {args.num_draft_tokens}")
+    if args.warmup < 0:
+        raise CLIError(f"--warmup: expected >= 0, got {args.warmup}")
+    if args.temperature is not None and not args.do_sample:
+        raise CLIError("--temperature needs --do-sample (greedy decoding has no temperature)")
+    if args.temperature is not None and args.temperature <= 0:
+        raise CLIError(f"--temperature: expected > 0, got {args.temperature}")
+    if args.check and args.do_sample:
+        raise CLIError("--check compares with plain greedy decoding and needs greedy decoding: drop --do-sample "
+                       "(or --check)")
+
+
+# ---------------------------------------------------------------------------------- progress
+class ProgressStreamer(BaseStreamer):
+    """A ``generate`` streamer that advances a tqdm bar by the tokens each ``put`` brings.
+
+    ``generate`` calls ``put`` first with the prompt (skipped), then with each step's new tokens
+    (assisted generation and prompt lookup put several at once), and ``end`` when done.
+
+    Args:
+        total: the bar's length (``max_new_tokens``).
+        desc: the bar's label.
+        disable: no bar at all (``--quiet``).
+
+    Attributes:
+        tokens: new tokens seen so far.
+    """
+
+    def __init__(self, total: int, desc: str = "generating", disable: bool = False):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="tok", disable=disable, leave=False, file=sys.stderr)
+        self.tokens = 0
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        """Count ``value`` (token ids of batch 1); the first call (the prompt) is skipped."""
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        n = int(value.numel()) if isinstance(value, torch.Tensor) else len(value)
+        self.tokens += n
+        self.bar.update(n)
+
+    def end(self) -> None:
+        """Close the bar."""
+        self.bar.close()
+
+
+# ---------------------------------------------------------------------------------- loading
+class _Tokenizer:
+    """A transformers tokenizer or a ByteTokenizer behind one ``encode`` / ``decode``."""
+
+    def __init__(self, tok, name: str):
+        self.tok = tok
+        self.name = name
+
+    def encode(self, text: str, device) -> torch.Tensor:
+        from .tiny import ByteTokenizer
+
+        if isinstance(self.tok, ByteTokenizer):
+            ids = self.tok.encode(text)
+        else:
+            ids = self.tok(text, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise CLIError("--prompt: the prompt encodes to no tokens")
+        return torch.tensor([ids], dtype=torch.long, device=device)
+
+    def decode(self, ids) -> str:
+        from .tiny import ByteTokenizer
+
+        if isinstance(self.tok, ByteTokenizer):
+            return self.tok.decode(ids)
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+def _note(args, message: str) -> None:
+    if not args.quiet:
+        print(f"note: {message}", file=sys.stderr)
+
+
+def _checkpoint_dir(path: str, option: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CLIError(f"{option} {path}: no such directory")
+    if not p.is_dir():
+        raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
+    if not (p / "config.json").is_file():
+        raise CLIError(f"{option} {path}: no config.json: not a transformers checkpoint directory")
+    return p
+
+
+def _load_config(path: Path, option: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # an unknown model type, a broken config.json: all user-facing
+        raise CLIError(f"{option} {path}: cannot read its config: {exc}") from exc
+
+
+def _has_gdn(model) -> bool:
+    return any(isinstance(getattr(m, "linear_attn", None), torch.nn.Module) for m in model.modules())
+
+
+def _load_pretrained(path: Path, option: str, dtype: torch.dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as exc:  # unsupported architecture, missing weights: all user-facing
+        raise CLIError(f"{option} {path}: cannot load it as a causal LM: {exc}") from exc
+    return model.to(device).eval()
+
+
+def check_model_dir(args):
+    """Check ``--model`` before anything loads: a local directory with a config of a model that
+    has linear-attention (GatedDeltaNet) layers. Returns its config (``None`` for the tiny model).
+
+    Raises:
+        CLIError: a missing directory, no or an unreadable ``config.json``, or a config with no
+            ``linear_attention`` layer (not Qwen3-Next / Qwen3.5).
+    """
+    if args.model is None:
+        return None
+    path = _checkpoint_dir(args.model, "--model")
+    config = _load_config(path, "--model")
+    text = config.get_text_config(decoder=True)
+    if "linear_attention" not in (getattr(text, "layer_types", None) or ()):
+        raise CLIError(f"--model {path}: not a Qwen3-Next / Qwen3.5 model: its {config.model_type} config has no "
+                       "linear_attention (GatedDeltaNet) layer")
+    return config
+
+
+def load_model(args, device, dtype):
+    """The target model (not yet converted) for ``args``: ``--model PATH`` (through
+    ``AutoModelForCausalLM``, local files only) or the tiny model.
+
+    Returns ``(model, description)``.
+
+    Raises:
+        CLIError: as :func:`check_model_dir`, or weights that do not load.
+    """
+    if args.model is None:
+        from .tiny import tiny_model
+
+        model = tiny_model(TINY_KIND, seed=args.seed, dtype=dtype).to(device)
+        return model, f"tiny {TINY_KIND} (random weights, seed {args.seed})"
+    config = check_model_dir(args)
+    path = _checkpoint_dir(args.model, "--model")
+    return _load_pretrained(path, "--model", dtype, device), f"{path} ({config.model_type})"
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(args) -> _Tokenizer:
+    """The tokenizer for ``args``: ByteTokenizer for the tiny model, else ``AutoTokenizer`` from
+    the ``--model`` directory. A directory without a usable tokenizer (no tokenizer files, a
+    load that fails, or an empty vocabulary) falls back to ByteTokenizer when the config's
+    vocabulary is the byte tokenizer's (a saved tiny model), with a note.
+
+    Raises:
+        CLIError: no usable tokenizer and the vocabulary is not the byte tokenizer's.
+    """
+    from .tiny import ByteTokenizer
+
+    if args.model is None:
+        return _Tokenizer(ByteTokenizer(), "byte")
+    from transformers import AutoTokenizer
+
+    path = _checkpoint_dir(args.model, "--model")
+    why = "no tokenizer files"
+    if any((path / name).is_file() for name in TOKENIZER_FILES) or any(path.glob("*.tiktoken")):
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            if len(tok) > 1:  # transformers can build an empty tokenizer from a bare config
+                return _Tokenizer(tok, "auto")
+            why = "an empty vocabulary"
+    vocab = getattr(_load_config(path, "--model").get_text_config(decoder=True), "vocab_size", None)
+    if vocab == ByteTokenizer.vocab_size:
+        _note(args, f"{path} has no usable tokenizer ({why}); its vocabulary size ({vocab}) is the byte "
+                    "tokenizer's: using ssm_spec.hf.ByteTokenizer")
+        return _Tokenizer(ByteTokenizer(), "byte")
+    raise CLIError(f"--model {path}: no usable tokenizer ({why}), and its vocabulary size ({vocab}) is not the "
+                   f"byte tokenizer's ({ByteTokenizer.vocab_size})")
+
+
+def load_draft(args, target, device, dtype):
+    """The assistant model for ``--draft``: ``None`` for prompt lookup, ``target`` for ``self``,
+    else the checkpoint at the path, converted with ``apply_recoverssm`` when it has GDN layers.
+    Its generation config is set to draft ``--num-draft-tokens`` tokens per round.
+
+    Returns ``(draft_or_None, description)``.
+
+    Raises:
+        CLIError: a missing or unloadable draft checkpoint.
+    """
+    from .apply import apply_recoverssm
+
+    k = args.num_draft_tokens
+    if args.draft == "prompt-lookup":
+        return None, f"prompt lookup, {k} tokens"
+    if args.draft == "self":
+        draft, what = target, "the model itself"
+    else:
+        path = _checkpoint_dir(args.draft, "--draft")
+        draft = _load_pretrained(path, "--draft", dtype, device)
+        what = str(path)
+        if _has_gdn(draft):
+            try:
+                apply_recoverssm(draft)
+            except ValueError as exc:
+                raise CLIError(f"--draft {path}: {exc}") from exc
+            what += " (converted)"
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.assistant_confidence_threshold = args.confidence_threshold
+    return draft, f"assistant {what}, {k} tokens"
+
+
+# ---------------------------------------------------------------------------------- running
+@dataclass
+class RunResult:
+    """One timed ``generate`` call: its new token ids, seconds, and (speculative) stats."""
+
+    new_tokens: torch.Tensor
+    seconds: float
+    stats: object | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens.numel() / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_kwarg(model) -> str:
+    """``cache`` (transformers 5.2x and later) or ``past_key_values``: generate's cache argument."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _gen_kwargs(args, model) -> dict:
+    kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
+    if args.do_sample and args.temperature is not None:
+        kw["temperature"] = args.temperature
+    if model.generation_config.pad_token_id is None and model.generation_config.eos_token_id is not None:
+        eos = model.generation_config.eos_token_id
+        kw["pad_token_id"] = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return kw
+
+
+def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | None = None) -> RunResult:
+    """Run ``model.generate`` on ``input_ids [1, L]`` once untimed (``--warmup`` tokens), then
+    timed with a progress bar.
+
+    ``speculative`` holds the draft arguments (``prompt_lookup_num_tokens`` or
+    ``assistant_model``); when given, ``model`` must be converted, and a fresh
+    :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result.
+    """
+    from .cache import RecoverSSMCache
+
+    kw = _gen_kwargs(args, model)
+    kw.update(speculative or {})
+    mask = torch.ones_like(input_ids)
+    with torch.inference_mode():
+        if args.warmup:
+            if args.do_sample:
+                torch.manual_seed(args.seed)
+            model.generate(input_ids, attention_mask=mask, **{**kw, "max_new_tokens": args.warmup})
+        extra = {}
+        if speculative is not None:
+            cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
+            extra[_cache_kwarg(model)] = cache
+        streamer = ProgressStreamer(args.max_new_tokens, desc=desc, disable=args.quiet)
+        if args.do_sample:
+            torch.manual_seed(args.seed)
+        _sync(input_ids.device)
+        start = time.perf_counter()
+        try:
+            out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **kw, **extra)
+            _sync(input_ids.device)
+        finally:
+            streamer.bar.close()
+        seconds = time.perf_counter() - start
+    stats = extra[_cache_kwarg(model)].stats if speculative is not None else None
+    return RunResult(out[0, input_ids.shape[1]:].cpu(), seconds, stats)
+
+
+# ---------------------------------------------------------------------------------- output
+def printable(text: str) -> str:
+    """``text`` with control characters (other than newline and tab) escaped, for a terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def format_table(rows: list[tuple[str, str]]) -> str:
+    """Two aligned columns: ``name  value`` per row."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _stats_rows(stats) -> list[tuple[str, str]]:
+    if stats is None or not stats.rounds:
+        return [("rounds", "0 (no speculative round ran)")]
+    empty = getattr(stats, "empty_rounds", None)  # rounds in which prompt lookup found no draft
+    rows = [("rounds", f"{stats.rounds}" + (f" ({empty} without drafts)" if empty else "")),
+            ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens per round")]
+    if not stats.drafted:
+        return rows + [("acceptance rate", "- (no drafts)")]
+    rates = stats.position_rates[:POSITIONS_SHOWN]
+    more = " ..." if len(stats.position_rates) > POSITIONS_SHOWN else ""
+    return rows + [
+        ("acceptance rate", f"{stats.acceptance_rate:.1%} ({stats.accepted} of {stats.drafted} drafts)"),
+        ("acceptance by position", " ".join(f"{r:.2f}" for r in rates) + more),
+    ]
+
+
+# ---------------------------------------------------------------------------------- main
+def _setup(args):
+    """Quiet transformers, pick the device and dtype, and make fp32 matmuls IEEE (no TF32)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if args.quiet:
+        transformers.utils.logging.disable_progress_bar()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {args.device}: CUDA is not available on this machine")
+    dtype = DTYPES[args.dtype]
+    if dtype == torch.float32:  # fp32 runs are exact: keep TF32 out of matmuls, convs and Triton dots
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device, dtype
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args) -> int:
+    """Run ``ssm-spec generate`` for parsed ``args``; print the text and the table.
+
+    Returns the exit status: 0, or 1 when ``--check`` finds tokens that differ from plain greedy.
+
+    Raises:
+        CLIError: a usage error, a missing checkpoint, a model that is not Qwen3-Next / Qwen3.5.
+    """
+    from .apply import apply_recoverssm
+
+    _validate(args)
+    device, dtype = _setup(args)
+    check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
+    tokenizer = load_tokenizer(args)
+    model, model_desc = load_model(args, device, dtype)
+    try:
+        apply_recoverssm(model)
+    except ValueError as exc:
+        raise CLIError(f"--model {args.model}: not a Qwen3-Next / Qwen3.5 model: {exc}") from exc
+    draft, draft_desc = load_draft(args, model, device, dtype)
+    input_ids = tokenizer.encode(args.prompt, device)
+    speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
+                   else {"assistant_model": draft})
+    spec = timed_generate(model, input_ids, args, desc="speculative", speculative=speculative)
+    del model, draft, speculative
+    _release_memory()
+
+    plain = None
+    if args.check:
+        reference, _ = load_model(args, device, dtype)  # a second, unconverted copy
+        plain = timed_generate(reference, input_ids, args, desc="plain greedy")
+        del reference
+        _release_memory()
+
+    print(printable(tokenizer.decode(spec.new_tokens)))
+    print()
+    rows = [
+        ("model", model_desc),
+        ("draft", draft_desc),
+        ("device / dtype", f"{device} / {args.dtype}, {'sampling' if args.do_sample else 'greedy'}"),
+        ("new tokens", str(spec.new_tokens.numel())),
+        ("seconds", f"{spec.seconds:.3f}"),
+        ("tokens/s", f"{spec.tokens_per_s:.1f}"),
+        *_stats_rows(spec.stats),
+    ]
+    status = 0
+    if plain is not None:
+        equal = torch.equal(spec.new_tokens, plain.new_tokens)
+        rows += [
+            ("plain greedy tokens/s", f"{plain.tokens_per_s:.1f} ({plain.new_tokens.numel()} tokens in "
+                                      f"{plain.seconds:.3f} s; speed-up {spec.tokens_per_s / plain.tokens_per_s:.2f}x)"),
+            ("tokens equal plain greedy", "yes" if equal else f"no (first difference at new token "
+                                                               f"{_first_diff(spec.new_tokens, plain.new_tokens)})"),
+        ]
+        if not equal:
+            status = 1
+    print(format_table(rows))
+    if status and dtype != torch.float32:
+        print(f"note: in {args.dtype} the converted layers and transformers' own layers round differently, so "
+              "greedy tokens can diverge; the tokens are equal in float32")
+    return status
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    diff = (a[:n] != b[:n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+def main(args) -> int:
+    """Entry point for parsed ``args``: :func:`run`, with a :class:`CLIError` printed to stderr
+    as ``ssm-spec generate: error: ...`` and turned into exit status 2."""
+    try:
+        return run(args)
+    except CLIError as exc:
+        print(f"ssm-spec generate: error: {exc}", file=sys.stderr)
+        return 2

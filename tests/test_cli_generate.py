@@ -1,0 +1,128 @@
+"""``ssm-spec generate`` (ssm_spec/hf/cli_generate.py): the console script's main job.
+
+The runs go through ``python -m ssm_spec`` in a subprocess, as a user runs them (the command
+sets process-wide state: transformers' verbosity, TF32 flags). ``OMP_NUM_THREADS=1``: the tiny
+model's matmuls are microseconds, and on a busy machine torch's thread pool can make them a
+hundred times slower.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssm_spec import cli
+from ssm_spec.hf.cli_generate import ProgressStreamer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _row(stdout, name):
+    """The value of the table row ``name`` (None when absent)."""
+    m = re.search(rf"^{re.escape(name)}\s+(.*)$", stdout, re.MULTILINE)
+    return m.group(1) if m else None
+
+
+def _assert_ok_and_equal(proc):
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _row(proc.stdout, "tokens equal plain greedy") == "yes", proc.stdout
+    assert float(_row(proc.stdout, "tokens/s")) > 0
+    assert _row(proc.stdout, "plain greedy tokens/s") is not None
+
+
+def test_default_run_with_check():
+    """The default (tiny model, prompt lookup; on CUDA where present) equals plain greedy and
+    prints the table. The other runs pass --device cpu: a fresh process compiles the Triton
+    kernels again, which costs more than the tiny model's whole run."""
+    proc = _run("--max-new-tokens", 64, "--check")
+    _assert_ok_and_equal(proc)
+    assert _row(proc.stdout, "new tokens") == "64"
+    assert float(_row(proc.stdout, "mean accepted length").split()[0]) >= 1.0
+    assert _row(proc.stdout, "draft").startswith("prompt lookup")
+    assert _row(proc.stdout, "acceptance by position") is not None
+
+
+def test_draft_self_accepts_every_draft():
+    """The tiny model as its own assistant: greedy drafts always match, K=5 per round."""
+    proc = _run("--max-new-tokens", 48, "--draft", "self", "--check", "--warmup", 0, "--quiet", "--device", "cpu")
+    _assert_ok_and_equal(proc)
+    assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
+    assert float(_row(proc.stdout, "mean accepted length").split()[0]) > 5.0  # 5 drafts + 1 per round
+    assert proc.stderr == ""  # --quiet: no bars, no notes, no transformers warnings
+
+
+def test_missing_model_path_exits_2(tmp_path):
+    proc = _run("--model", tmp_path / "nope", "--max-new-tokens", 4)
+    assert proc.returncode == 2
+    assert "--model" in proc.stderr and "no such directory" in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
+    """A saved tiny Qwen3.5 (no tokenizer files): ByteTokenizer fallback with a note; --check."""
+    from ssm_spec.hf import tiny_model
+
+    tiny_model("qwen3_5", seed=3).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path, "--max-new-tokens", 48, "--check", "--warmup", 0, "--device", "cpu")
+    _assert_ok_and_equal(proc)
+    assert "ByteTokenizer" in proc.stderr
+    assert "qwen3_5" in _row(proc.stdout, "model")
+
+
+def test_not_a_gdn_model_exits_2(tmp_path):
+    """A Llama checkpoint directory is refused from its config, before any weight loads."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path)
+    assert proc.returncode == 2
+    assert "not a Qwen3-Next / Qwen3.5 model" in proc.stderr
+
+
+def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
+    """No tokenizer and a vocabulary that is not the byte tokenizer's: a clear error."""
+    from ssm_spec.hf import tiny_config
+
+    tiny_config("qwen3_next", vocab_size=1000).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path)
+    assert proc.returncode == 2
+    assert "no usable tokenizer" in proc.stderr and "1000" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--do-sample", "--check"], "needs greedy decoding"),
+    (["--temperature", "0.7"], "--temperature needs --do-sample"),
+    (["--num-draft-tokens", "0"], "--num-draft-tokens"),
+])
+def test_usage_errors_exit_2(capsys, argv, message):
+    """Option conflicts are refused before anything loads."""
+    assert cli.main(["generate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_selfcheck_still_parses():
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["selfcheck", "--help"])
+    assert exc.value.code == 0
+
+
+def test_progress_streamer_counts_new_tokens_only():
+    """The first put (the prompt) is skipped; later puts may carry several tokens (assisted
+    generation) or one per row (plain decoding)."""
+    streamer = ProgressStreamer(total=10)
+    streamer.put(torch.zeros(1, 7, dtype=torch.long))  # the prompt
+    streamer.put(torch.zeros(1, dtype=torch.long))
+    streamer.put(torch.zeros(1, 4, dtype=torch.long))
+    streamer.end()
+    assert streamer.tokens == 5
+    assert streamer.bar.n == 5

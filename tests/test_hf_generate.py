@@ -1,0 +1,209 @@
+"""Hugging Face generate on converted Qwen3-Next / Qwen3.5 models (DESIGN.md section 7).
+
+Every speculative run is compared, token for token, with plain greedy ``generate`` on the
+unconverted model (fp32; on CUDA too, where the GPU run executes this file). transformers'
+own GDN path runs its PyTorch reference functions here (conftest), on every device.
+"""
+
+import pytest
+import torch
+import transformers
+
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf.tiny import ByteTokenizer
+
+KINDS = ["qwen3_next", "qwen3_5"]
+TOK = ByteTokenizer()
+PROMPT = "the cat sat on the mat. the cat sat on the"
+
+
+def _ids(text=PROMPT, device="cpu"):
+    return torch.tensor([TOK.encode(text)], device=device)
+
+
+def _pair(kind, seed, device):
+    """The unconverted model and a converted twin with the same weights."""
+    return tiny_model(kind, seed=seed).to(device), apply_recoverssm(tiny_model(kind, seed=seed).to(device))
+
+
+def _with(model, cache):
+    """Pass ``cache`` under the name this transformers version uses (``cache`` from 5.2x on)."""
+    return {model._recoverssm["cache_kwarg"]: cache}
+
+
+def _greedy(model, ids, n, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_prompt_lookup_and_assistant_equal_plain_greedy(device, kind, seed):
+    """256 new tokens: prompt lookup (5 and 3 drafts) and a converted assistant equal plain
+    greedy generate of the unconverted model; the lookup runs accept drafts (the rollback is
+    exercised with every crop depth), the assistant run is the model's noisy twin (partial
+    acceptance, the heuristic draft length)."""
+    ref, model = _pair(kind, seed, device)
+    ids = _ids(device=device)
+    plain = _greedy(ref, ids, 256)
+    assert plain.shape[1] == ids.shape[1] + 256
+    for k in (5, 3):
+        cache = RecoverSSMCache(model)
+        out = _greedy(model, ids, 256, prompt_lookup_num_tokens=k, **_with(model, cache))
+        assert torch.equal(out, plain), (k, _first_diff(out, plain))
+        assert cache.stats.accepted > 0
+    draft = apply_recoverssm(tiny_model(kind, seed=seed).to(device))
+    with torch.no_grad():  # a noisy twin: agrees often, not always
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).to(device) * 0.05 * p.std())
+    draft.generation_config.num_assistant_tokens_schedule = "heuristic"
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.assistant_confidence_threshold = 0.0  # several 1-token forwards per round
+    cache = RecoverSSMCache(model)
+    out = _greedy(model, ids, 256, assistant_model=draft, **_with(model, cache))
+    assert torch.equal(out, plain), _first_diff(out, plain)
+    assert 0 < cache.stats.accepted < cache.stats.drafted
+
+
+def _first_diff(a, b):
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[0, :n] != b[0, :n]).nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_model_as_its_own_draft_accepts_everything(device, kind):
+    ref, model = _pair(kind, 4, device)
+    draft = apply_recoverssm(tiny_model(kind, seed=4).to(device))
+    draft.generation_config.assistant_confidence_threshold = 0.0  # draft the full length every round
+    draft.generation_config.num_assistant_tokens = 6
+    ids = _ids(device=device)
+    plain = _greedy(ref, ids, 256)
+    cache = RecoverSSMCache(model)
+    out = _greedy(model, ids, 256, assistant_model=draft, **_with(model, cache))
+    assert torch.equal(out, plain)
+    assert cache.stats.acceptance_rate > 0.98
+
+
+def test_lookup_that_finds_nothing_runs_steps_without_drafts(device):
+    """A prompt of distinct bytes: the first rounds have no drafts (a 1-token forward, then
+    crop(0)); later the text loops and drafts appear. Still equal to plain greedy."""
+    ref, model = _pair("qwen3_next", 0, device)
+    ids = _ids("Qwerty! 1234567890 zxcvbnm", device)
+    plain = _greedy(ref, ids, 256)
+    cache = RecoverSSMCache(model)
+    out = _greedy(model, ids, 256, prompt_lookup_num_tokens=4, **_with(model, cache))
+    assert torch.equal(out, plain)
+    assert cache.stats.empty_rounds > 0 and cache.stats.drafted > 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 17, 30, 61])
+def test_max_new_tokens_ending_mid_window(device, max_new):
+    ref, model = _pair("qwen3_5", 2, device)
+    ids = _ids(device=device)
+    plain = _greedy(ref, ids, max_new)
+    for kw in (dict(prompt_lookup_num_tokens=7),
+               dict(assistant_model=apply_recoverssm(tiny_model("qwen3_5", seed=2).to(device)))):
+        out = _greedy(model, ids, max_new, **kw)
+        assert torch.equal(out, plain), (kw.keys(), max_new)
+
+
+def test_eos_inside_an_accepted_window(device):
+    """EOS is a token the greedy text reaches inside a looping stretch, where prompt lookup
+    drafts (and accepts) past it: generation stops at the same EOS."""
+    ref, model = _pair("qwen3_next", 0, device)
+    ids = _ids(device=device)
+    plain = _greedy(ref, ids, 256)[0, ids.shape[1]:].tolist()
+    eos = plain[120]  # well inside the looping part
+    stop = plain.index(eos)
+    want = _greedy(ref, ids, 256, eos_token_id=eos)
+    assert want.shape[1] == ids.shape[1] + stop + 1
+    cache = RecoverSSMCache(model)
+    out = _greedy(model, ids, 256, eos_token_id=eos, prompt_lookup_num_tokens=6, **_with(model, cache))
+    assert torch.equal(out, want)
+    out = _greedy(model, ids, 256, eos_token_id=eos,
+                  assistant_model=apply_recoverssm(tiny_model("qwen3_next", seed=0).to(device)))
+    assert torch.equal(out, want)
+
+
+def test_sampling_with_self_draft_then_greedy_still_exact(device):
+    """Sampling at temperature 1 with the model as its own draft: nearly every draft is
+    accepted (speculative sampling with equal distributions); the same converted model then
+    still decodes greedily exactly (no state leaks between generate calls)."""
+    ref, model = _pair("qwen3_next", 3, device)
+    draft = apply_recoverssm(tiny_model("qwen3_next", seed=3).to(device))
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    draft.generation_config.num_assistant_tokens = 5
+    ids = _ids(device=device)
+    torch.manual_seed(0)
+    cache = RecoverSSMCache(model)
+    out = model.generate(ids, max_new_tokens=128, min_new_tokens=128, do_sample=True, temperature=1.0, top_k=0, assistant_model=draft,
+                         **_with(model, cache))
+    assert out.shape[1] == ids.shape[1] + 128
+    assert cache.stats.acceptance_rate >= 0.9, cache.stats
+    assert torch.equal(_greedy(model, ids, 128, prompt_lookup_num_tokens=4), _greedy(ref, ids, 128))
+
+
+def test_converted_model_as_assistant_of_another_model(device):
+    """A Llama target (same byte vocabulary) with a converted Qwen3-Next assistant."""
+    cfg = transformers.LlamaConfig(vocab_size=TOK.vocab_size, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   eos_token_id=256, pad_token_id=257, bos_token_id=None)
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(cfg).to(device).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20)
+    ids = _ids(device=device)
+    plain = _greedy(target, ids, 64)
+    draft = apply_recoverssm(tiny_model("qwen3_next", seed=0).to(device))
+    assert torch.equal(_greedy(target, ids, 64, assistant_model=draft), plain)
+
+
+def test_unconverted_gdn_assistant_is_refused():
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
+    with pytest.raises(ValueError, match="apply_recoverssm"):
+        model.generate(_ids(), max_new_tokens=4, assistant_model=tiny_model("qwen3_next", seed=0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_generate_batch_with_left_padding(device, kind):
+    ref, model = _pair(kind, 1, device)
+    texts = ["the cat sat on the mat.", "a dog", "hello hello hello hello world"]
+    width = max(len(TOK.encode(t)) for t in texts)
+    ids = torch.full((3, width), TOK.pad_token_id)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, t in enumerate(texts):
+        enc = TOK.encode(t)
+        ids[i, width - len(enc):] = torch.tensor(enc)
+        mask[i, width - len(enc):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    plain = _greedy(ref, ids, 48, attention_mask=mask, pad_token_id=TOK.pad_token_id)
+    out = _greedy(model, ids, 48, attention_mask=mask, pad_token_id=TOK.pad_token_id)
+    assert torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_without_cache_and_with_use_cache(device, kind):
+    ref, model = _pair(kind, 0, device)
+    ids = _ids(device=device)
+    with torch.no_grad():
+        want = ref(ids, use_cache=False).logits
+        for kw in (dict(use_cache=False), dict(use_cache=True), {}):
+            got = model(ids, **kw).logits
+            assert ((got - want).double().norm() / want.double().norm()) < 1e-5, kw
+
+
+def test_converting_twice_is_a_no_op_and_other_models_are_refused():
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
+    layers = [m for m in model.modules()]
+    assert apply_recoverssm(model) is model and [m for m in model.modules()] == layers
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="GatedDeltaNet"):
+        apply_recoverssm(transformers.LlamaForCausalLM(cfg))
+
+
+def test_converted_model_refuses_transformers_own_cache():
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
+    cache = transformers.DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match="RecoverSSMCache"):
+        model(_ids(), **_with(model, cache))
