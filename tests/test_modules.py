@@ -1,5 +1,7 @@
 """Modules, pool, metadata and the step commit (CPU; the same files run on CUDA)."""
 
+import inspect
+
 import pytest
 import torch
 import transformers  # the dev extra installs it: a missing one must fail, not skip
@@ -27,6 +29,12 @@ def _hf_layer(layout, seed=0, head_dims=(8, 6)):
             p.normal_(std=0.3)
         hf.A_log.uniform_(-1, 1)
     return hf.eval()
+
+
+def _hf_cache_kwarg(hf) -> str:
+    """transformers 5.2x names the GDN layer's cache argument ``cache``; 5.17 ``cache_params``
+    (an unknown keyword would be swallowed by ``**kwargs`` and the layer run without a cache)."""
+    return "cache" if "cache" in inspect.signature(hf.forward).parameters else "cache_params"
 
 
 def _decode(layer, pool, x, prompt, steps, device, slot=1):
@@ -475,8 +483,9 @@ def test_matches_hf_cached_decode_outputs_and_states(device, layout):
     x = torch.randn(1, 12 + 32, 32, device=device)
     layer = RecoverGatedDeltaNet.from_hf(hf)
     with torch.no_grad():
-        ref = [hf(x[:, :12], cache=cache)]
-        ref += [hf(x[:, t:t + 1], cache=cache) for t in range(12, 44)]
+        kw = _hf_cache_kwarg(hf)
+        ref = [hf(x[:, :12], **{kw: cache})]
+        ref += [hf(x[:, t:t + 1], **{kw: cache}) for t in range(12, 44)]
         pool = StatePool([layer], num_slots=3, max_tokens=16, device=device)
         got = _decode(layer, pool, x[0], 12, 32, device)
     assert rel_err(got, torch.cat(ref, 1)[0]) < 1e-5
