@@ -207,3 +207,24 @@ def test_converted_model_refuses_transformers_own_cache():
     cache = transformers.DynamicCache(config=model.config)
     with pytest.raises(ValueError, match="RecoverSSMCache"):
         model(_ids(), **_with(model, cache))
+
+
+def test_copies_state_dicts_and_grad_mode(tmp_path):
+    """A deep copy runs its own weights; state_dict keys and save_pretrained are HF's, so a
+    converted model saves and reloads as the original; a forward in grad mode refuses."""
+    import copy
+
+    ref, model = _pair("qwen3_next", 0, "cpu")
+    assert sorted(model.state_dict()) == sorted(ref.state_dict())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+        assert not torch.equal(twin(_ids()).logits, model(_ids()).logits)
+    ids = _ids()
+    assert torch.equal(_greedy(twin, ids, 32, prompt_lookup_num_tokens=3), _greedy(twin, ids, 32))
+    model.save_pretrained(tmp_path)
+    reloaded = type(ref).from_pretrained(tmp_path).eval()
+    assert torch.equal(_greedy(reloaded, ids, 48), _greedy(ref, ids, 48))
+    with pytest.raises(ValueError, match="grad"):
+        model(ids, use_cache=False)

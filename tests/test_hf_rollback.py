@@ -38,6 +38,8 @@ def _feed(model, cache, tokens, splits):
     ([37], 4, 5),                # the first forward carries the prompt and 4 drafts
     ([3], 2, 8),                 # a prompt shorter than max_pending: no prefill at all
     ([20, 2, 3, 4], 6, 9),       # three forwards, a crop reaching into the first of them
+    ([37], 5, 5),                # a crop exactly max_pending deep after a prompt forward
+    ([10, 60, 1], 2, 2),         # a long follow-up forward: prefilled too, only max_pending held
 ])
 def test_crop_equals_a_fresh_run_of_the_kept_tokens(device, kind, splits, crop, max_pending):
     model = _model(device, kind)
@@ -45,6 +47,11 @@ def test_crop_equals_a_fresh_run_of_the_kept_tokens(device, kind, splits, crop, 
     tokens = torch.randint(0, 256, (1, total + 3), generator=torch.Generator().manual_seed(total)).to(device)
     cache = RecoverSSMCache(model, max_pending=max_pending)
     _feed(model, cache, tokens, splits)
+    held = 0
+    for n in splits:  # at most max_pending tokens held after each forward, whatever its length
+        held = min(held + n, max_pending)
+    assert cache.rollback.pending == held
+    assert cache.rollback.pool.max_tokens == max_pending  # records never grow past max_pending tokens
     cache.crop(-crop)
     kept = total - crop
     assert cache.get_seq_length() == kept
@@ -121,3 +128,18 @@ def test_beam_search_reorders_the_states(device):
     except Exception as exc:  # transformers without beam search on this model: nothing to compare
         pytest.skip(f"plain beam search unavailable: {exc}")
     assert torch.equal(model.generate(ids, **kw), want)
+
+
+def test_cache_arguments_are_validated():
+    model = _model("cpu")
+    with pytest.raises(ValueError, match="max_pending"):
+        RecoverSSMCache(model, max_pending=0)
+    with pytest.raises(ValueError, match="state_dtype"):
+        RecoverSSMCache(model, state_dtype=torch.float16)
+    cache = RecoverSSMCache(model, max_pending=4)
+    _feed(model, cache, torch.randint(0, 256, (1, 9)), [9])
+    with pytest.raises(ValueError, match="integer"):
+        cache.crop(-1.5)
+    cache.prompt_len = 3
+    cache.reset()
+    assert cache.prompt_len is None and cache.rollback is None

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 
 import torch
 from torch import nn
 
-from ..modules import RecoverGatedDeltaNet
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
 
@@ -37,10 +37,10 @@ def _cache_kwarg(model) -> str:
 def draft_length(model, generation_config, kwargs) -> int:
     """The most tokens one ``generate`` call may need to roll back: the draft length.
 
-    ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (the first round's
-    drafts; later rounds crop after every forward); or, inside an assistant's own ``generate``
-    (``is_assistant``), its ``max_new_tokens`` plus the two tokens it re-feeds each round; 0 for
-    plain decoding.
+    ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (with a heuristic
+    schedule, which grows it, the generation budget); or, inside an assistant's own
+    ``generate`` (``is_assistant``), its ``max_new_tokens`` plus the two tokens it re-feeds each
+    round; 0 for plain decoding.
     """
     def get(name):
         value = kwargs.get(name)
@@ -52,97 +52,117 @@ def draft_length(model, generation_config, kwargs) -> int:
     if get("prompt_lookup_num_tokens"):
         return int(get("prompt_lookup_num_tokens"))
     if assistant is not None:
-        return int(getattr(assistant.generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+        cfg = assistant.generation_config
+        k = int(getattr(cfg, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+        if getattr(cfg, "num_assistant_tokens_schedule", "constant") != "constant":
+            # the heuristic schedules grow the draft after fully accepted rounds, up to the budget
+            k = max(k, int(get("max_new_tokens") or get("max_length") or 0))
+        return k
     return 0
 
 
-def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype = torch.float32) -> nn.Module:
+def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None) -> nn.Module:
     """Convert a Qwen3-Next or Qwen3.5 model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
-    :class:`~ssm_spec.hf.adapter.RecoverGDNAdapter` around
-    :meth:`RecoverGatedDeltaNet.from_hf <ssm_spec.RecoverGatedDeltaNet.from_hf>` (the weights
-    are shared, not copied; ``state_dict`` keys gain an ``inner.`` level). ``generate`` and
+    :class:`~ssm_spec.hf.adapter.RecoverGDNAdapter` (a :class:`~ssm_spec.RecoverGatedDeltaNet`
+    built by ``from_hf``: the HF submodules and parameters are shared, not copied, under their
+    own names, so ``state_dict`` keys and ``save_pretrained`` are unchanged). ``generate`` and
     ``forward`` then create a :class:`~ssm_spec.hf.RecoverSSMCache` when none is passed, sized
     for the draft length of the call, so ``generate(prompt_lookup_num_tokens=k)``,
     ``generate(assistant_model=draft)`` and a converted model as an assistant work, and with
     greedy fp32 decoding give exactly plain ``generate``'s tokens. Attention layers keep
-    transformers' KV cache. Calling it again is a no-op.
+    transformers' KV cache. Calling it again only updates ``state_dtype`` (when given).
 
     Args:
         model: a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` (or any module tree holding
             their GatedDeltaNet layers as ``linear_attn``), on any device and dtype.
-        state_dtype: recurrent state dtype of the caches it creates (fp32 default, or bf16).
+        state_dtype: recurrent state dtype of the caches it creates: ``torch.float32`` (the
+            default) or ``torch.bfloat16``.
 
     Raises:
-        ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects.
+        ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
+            ``state_dtype``.
 
-    The converted layers run inference only (no autograd through the GDN layers).
+    The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
+    ``forward`` in grad mode with trainable parameters raises ``ValueError``.
     """
+    if state_dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"apply_recoverssm: state_dtype: got {state_dtype}; expected torch.float32 or torch.bfloat16")
     if is_converted(model):
+        if state_dtype is not None:
+            model._recoverssm["state_dtype"] = state_dtype
         return model
     found = 0
     for parent in list(model.modules()):
         child = getattr(parent, "linear_attn", None)
         if isinstance(child, nn.Module) and _is_hf_gdn(child):
-            inner = RecoverGatedDeltaNet.from_hf(child)
-            parent.linear_attn = RecoverGDNAdapter(inner, child.layer_idx)
+            parent.linear_attn = RecoverGDNAdapter.from_hf(child)
             found += 1
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = {"state_dtype": state_dtype, "cache_kwarg": _cache_kwarg(model)}
+    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": _cache_kwarg(model)}
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
     _wrap_generate(model)
     _wrap_forward(model)
     return model
 
 
+def _generate(self, *args, **kwargs):
+    """``generate`` of a converted model: creates or sizes its RecoverSSMCache, then runs
+    transformers' own ``generate`` (looked up on the class, so copies of the model call theirs)."""
+    original = type(self).generate
+    named = inspect.signature(original).bind_partial(self, *args, **kwargs).arguments
+    named = {**named, **named.get("kwargs", {})}
+    gen_config = named.get("generation_config") or self.generation_config
+    assistant = named.get("assistant_model")
+    if assistant is not None and getattr(assistant, "_is_stateful", False):
+        raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
+                         "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
+    R = max(1, draft_length(self, gen_config, named) + 1)
+    key = self._recoverssm["cache_kwarg"]
+    cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
+    if cache is None:
+        cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"])
+        kwargs[key] = cache
+    elif isinstance(cache, RecoverSSMCache):
+        cache.max_pending = max(cache.max_pending, R)
+    else:
+        raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
+                         "(or none, and generate creates it)")
+    if cache.prompt_len is None and cache.get_seq_length() == 0:  # counts the first round's drafts
+        prompt = named.get("inputs")
+        if prompt is None:
+            prompt = named.get("input_ids")
+        cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
+    return original(self, *args, **kwargs)
+
+
+def _forward(self, *args, **kwargs):
+    """``forward`` of a converted model: a RecoverSSMCache when a cache is wanted and none given."""
+    key = self._recoverssm["cache_kwarg"]
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(self.config, "use_cache", False)
+    if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
+        kwargs[key] = RecoverSSMCache(self, state_dtype=self._recoverssm["state_dtype"])
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _bind(model, name, fn):
+    """Set ``model.<name>`` to ``fn`` bound to the model, with the signature of the class's
+    method (transformers inspects it) and rebinding to the copy under ``copy.deepcopy``."""
+    @functools.wraps(getattr(type(model), name))
+    def method(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    setattr(model, name, types.MethodType(method, model))
+
+
 def _wrap_generate(model):
-    original = model.generate
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        named = {**bound.arguments, **bound.arguments.get("kwargs", {})}
-        gen_config = named.get("generation_config") or model.generation_config
-        assistant = named.get("assistant_model")
-        if assistant is not None and getattr(assistant, "_is_stateful", False):
-            raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
-                             "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
-        R = max(1, draft_length(model, gen_config, named) + 1)
-        key = model._recoverssm["cache_kwarg"]
-        cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
-        if cache is None:
-            cache = RecoverSSMCache(model, max_pending=R, state_dtype=model._recoverssm["state_dtype"])
-            kwargs[key] = cache
-        elif isinstance(cache, RecoverSSMCache):
-            cache.max_pending = max(cache.max_pending, R)
-        else:
-            raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
-                             "(or none, and generate creates it)")
-        if cache.prompt_len is None and cache.get_seq_length() == 0:  # counts the first round's drafts
-            prompt = named.get("inputs")
-            if prompt is None:
-                prompt = named.get("input_ids")
-            cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
-        return original(*args, **kwargs)
-
-    model.generate = generate
+    _bind(model, "generate", _generate)
 
 
 def _wrap_forward(model):
-    original = model.forward
-    key = model._recoverssm["cache_kwarg"]
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = getattr(model.config, "use_cache", False)
-        if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
-            kwargs[key] = RecoverSSMCache(model, state_dtype=model._recoverssm["state_dtype"])
-        return original(*args, **kwargs)
-
-    model.forward = forward
+    _bind(model, "forward", _forward)

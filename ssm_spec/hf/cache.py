@@ -133,6 +133,11 @@ class RecoverSSMCache(DynamicCache):
     def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32):
         from .adapter import RecoverGDNAdapter
 
+        if int(max_pending) < 1:
+            raise ValueError(f"RecoverSSMCache: max_pending: got {max_pending}; expected >= 1")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"RecoverSSMCache: state_dtype: got {state_dtype}; expected torch.float32 or "
+                             "torch.bfloat16")
         config = model.config.get_text_config(decoder=True)
         super().__init__(config=config)
         self.adapters = [m for m in model.modules() if isinstance(m, RecoverGDNAdapter)]
@@ -162,14 +167,14 @@ class RecoverSSMCache(DynamicCache):
         if self._last_layer is None or adapter.layer_idx <= self._last_layer:
             self._begin_forward(B, L, hidden)
         self._last_layer = adapter.layer_idx
-        return self.rollback.run(adapter.inner, hidden)
+        return self.rollback.run(adapter, hidden)
 
     def _begin_forward(self, B, L, hidden):
         rb = self.rollback
         if rb is None or rb.batch_size != B:
             if rb is not None and rb.seen:
                 raise ValueError(f"RecoverSSMCache: batch size changed from {rb.batch_size} to {B} mid-sequence")
-            self.rollback = rb = RollbackPool([a.inner for a in self.adapters], B, self.max_pending,
+            self.rollback = rb = RollbackPool(self.adapters, B, self.max_pending,
                                               dtype=self.state_dtype, conv_dtype=hidden.dtype, device=hidden.device)
         rb.max_pending = max(rb.max_pending, self.max_pending)
         rb.begin_forward(L)
@@ -180,6 +185,8 @@ class RecoverSSMCache(DynamicCache):
     # ------------------------------------------------------------------ transformers' cache API
     def crop(self, max_length) -> None:
         m = int(max_length)
+        if m != max_length:
+            raise ValueError(f"crop: expected an integer number of tokens, got {max_length!r}")
         if m > 0:  # an absolute length (older callers)
             remove = self.get_seq_length() - m
             if remove < 0:
@@ -217,6 +224,7 @@ class RecoverSSMCache(DynamicCache):
     def reset(self):
         self.rollback = None
         self.stats = AcceptanceStats()
+        self.prompt_len = None
         self._last_layer = None
         self._forwards = self._since_crop = 0
         super().reset()

@@ -12,8 +12,9 @@ slot and the replay records of the tokens after it (the pending tokens):
 * ``crop(m)`` replays all pending tokens but the last ``m`` into the checkpoint (one grouped
   commit launch per state group) and leaves nothing pending;
 * at most ``max_pending`` tokens stay pending between forwards: older ones are committed when
-  the next forward begins; a forward into an empty state (a prompt) runs the chunked prefill
-  over all but its last ``max_pending`` tokens and verifies those.
+  the next forward begins; a forward longer than ``max_pending`` (a prompt, a follow-up
+  message) commits what is pending, runs the chunked prefill over all but its last
+  ``max_pending`` tokens and verifies those.
 
 Every count is a host integer that transformers already holds (window lengths, crop sizes),
 so nothing here synchronises with the device.
@@ -102,17 +103,19 @@ class RollbackPool:
         L = int(num_tokens)
         self._absorb()
         p = self._pending_len
-        if self.seen == 0:  # a prompt: prefill all but the last max_pending tokens
-            verify_len = min(L, self.max_pending)
-            prefill_len = L - verify_len
+        if L > self.max_pending:  # a prompt (or a long follow-up): prefill all but the last max_pending
+            if p:
+                self._commit_pending(p, into_checkpoint=True)
+            verify_len = self.max_pending
         else:  # retire the oldest pending tokens beyond max_pending; verify the whole forward
             retire = min(p, max(0, p + L - self.max_pending))
             if retire:
                 self._commit_pending(retire, into_checkpoint=True)
-            prefill_len, verify_len = 0, L
+            verify_len = L
+        prefill_len = L - verify_len
         read = self._bring_scratch_up_to_date()
         self._ensure_record_capacity(self.batch_size * verify_len)
-        key = (prefill_len, verify_len, self.seen == 0, read)
+        key = (prefill_len, verify_len, self.seen == 0, read)  # the metadata depends on nothing else
         plan = self._metadata_cache.get(key)
         if plan is None:
             plan = self._metadata_cache[key] = self._build_plan(prefill_len, verify_len, read)
@@ -123,14 +126,13 @@ class RollbackPool:
 
     def _build_plan(self, prefill_len, verify_len, read) -> _Plan:
         B, S = self.batch_size, 2 * self.batch_size
-        fresh = self.seen == 0
+        fresh = self.seen == 0  # num_computed_tokens 0 zeroes the slot (no align mode: nothing else reads it)
         prefill = verify = None
         if prefill_len:
-            prefill = RecoverSSMMetadata.build([prefill_len] * B, [True] * B, [0] * B, list(range(B)),
+            prefill = RecoverSSMMetadata.build([prefill_len] * B, [True] * B, [0 if fresh else 1] * B, list(range(B)),
                                                num_slots=S, device=self.device)
         if verify_len:
             slots = list(range(B, 2 * B)) if read == "scratch" else list(range(B))
-            # num_computed_tokens only marks fresh rows here (no align mode): 0 zeroes the slot
             nct = [0 if fresh and not prefill_len else 1] * B
             verify = RecoverSSMMetadata.build([verify_len] * B, [False] * B, nct, slots, num_slots=S,
                                               device=self.device)
@@ -146,7 +148,8 @@ class RollbackPool:
         outs = []
         for md, part in ((plan.prefill, hidden[:, :plan.prefill_len]), (plan.verify, hidden[:, plan.prefill_len:])):
             if md is not None:
-                outs.append(layer(part.reshape(-1, D), md, self.pool).view(B, -1, D))
+                step = getattr(layer, "engine_forward", None) or layer  # adapters keep HF's forward
+                outs.append(step(part.reshape(-1, D), md, self.pool).view(B, -1, D))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------ crop
