@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import RecoverSSMMetadata
-from .ops import NULL_SLOT
+from .ops import NULL_SLOT, _eager
 from .ops._validate import count_values, should_validate, window_bounds
 from .pools import StatePool
 
@@ -97,6 +97,6 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     T = metadata.verify_stop - metadata.verify_start  # records cover the verify span only
     qsl = metadata.verify_query_start_loc
     for state, records in pool.gdn_groups.values():
-        torch.ops.ssm_spec.gdn_commit(state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
+        _eager.call("gdn_commit", state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
     for state, rec_x in pool.conv_groups.values():
-        torch.ops.ssm_spec.short_conv_commit(state, rec_x[:, :T], qsl, src, n, dst, bidx, boff)
+        _eager.call("short_conv_commit", state, rec_x[:, :T], qsl, src, n, dst, bidx, boff)

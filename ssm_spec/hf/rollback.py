@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..metadata import RecoverSSMMetadata
+from ..ops import _eager
 from ..pools import StatePool
 
 __all__ = ["RollbackPool"]
@@ -218,10 +219,10 @@ class RollbackPool:
         for spec, kind, state, _ in self._groups():
             recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
             if kind == "gdn":
-                torch.ops.ssm_spec.gdn_commit(state, *recs, qsl, src, counts, dst, self._no_boundaries,
+                _eager.call("gdn_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
                                               self._no_boundaries)
             else:
-                torch.ops.ssm_spec.short_conv_commit(state, *recs, qsl, src, counts, dst, self._no_boundaries,
+                _eager.call("short_conv_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
                                                      self._no_boundaries)
         if into_checkpoint:
             for spec, recs in self._pending.items():

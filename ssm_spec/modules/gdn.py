@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..metadata import RecoverSSMMetadata
+from ..ops import _eager
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
 from .prefill import gdn_prefill_row
 from .short_conv import check_inference, run_short_conv
@@ -183,11 +184,11 @@ class RecoverGatedDeltaNet(nn.Module):
             args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
                     metadata.verify_query_start_loc)
             if pool.snapshot:  # the native path: a state write per window token
-                torch.ops.ssm_spec.gdn_snapshot_verify(*args, pool.snapshot_slots(span.stop - span.start),
+                _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start),
                                                        core[span], scale, True)
             else:
                 rec = pool.gdn_record(self, span.stop - span.start)
-                torch.ops.ssm_spec.gdn_verify(*args, core[span], rec.u, rec.k, rec.decay, scale, True)
+                _eager.call("gdn_verify", *args, core[span], rec.u, rec.k, rec.decay, scale, True)
         for row in metadata.prefill_rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)

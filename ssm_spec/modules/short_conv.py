@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..metadata import RecoverSSMMetadata
+from ..ops import _eager
 from ..pools import ConvStateSpec, StatePool
 from .prefill import conv_prefill_row
 
@@ -53,13 +54,13 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
     if metadata.has_verify:
         if metadata.fresh_slots.numel():
             conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
-        torch.ops.ssm_spec.short_conv_verify(x[span], weight, bias, conv_state, metadata.verify_indices,
+        _eager.call("short_conv_verify", x[span], weight, bias, conv_state, metadata.verify_indices,
                                              metadata.verify_query_start_loc, out[span], rec_x[:V], dilation,
                                              activation)
         if pool is not None and pool.snapshot:
             n, idx, off = token_snapshot_plan(metadata, pool)
             none = torch.full_like(n, -1)
-            torch.ops.ssm_spec.short_conv_commit(conv_state, rec_x[:V], metadata.verify_query_start_loc,
+            _eager.call("short_conv_commit", conv_state, rec_x[:V], metadata.verify_query_start_loc,
                                                  metadata.verify_indices, n, none, idx, off)
     for row in metadata.prefill_rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ... import reference
+from .. import _eager
 from .._validate import (
     STATE_DTYPES,
     check_commit_metadata,
@@ -172,8 +173,7 @@ def check_gdn_commit_structure(state, rec_u, rec_k, rec_decay, query_start_loc, 
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("ssm_spec::gdn_commit", mutates_args=("state",))
-def gdn_commit_op(
+def _gdn_commit_cpu(
     state: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
     query_start_loc: torch.Tensor, src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
     dst_indices: torch.Tensor, boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
@@ -185,6 +185,9 @@ def gdn_commit_op(
     gdn_commit_cpu(*args)
 
 
+gdn_commit_op = torch.library.custom_op("ssm_spec::gdn_commit", mutates_args=("state",))(_gdn_commit_cpu)
+
+
 @gdn_commit_op.register_kernel("cuda")
 def _gdn_commit_cuda(*args):
     check_gdn_commit_structure(*args)
@@ -194,6 +197,9 @@ def _gdn_commit_cuda(*args):
 @gdn_commit_op.register_fake
 def _gdn_commit_fake(*args, **kwargs):
     return None
+
+
+_eager.register("gdn_commit", cpu=_gdn_commit_cpu, cuda=_gdn_commit_cuda)
 
 
 # ----------------------------------------------------------------------------- wrapper

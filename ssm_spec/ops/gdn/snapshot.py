@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _eager
 from .._validate import (
     check_index,
     check_unaliased_pool,
@@ -30,8 +31,7 @@ def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_
                          f"expected at least T = {q.shape[0]} (one per token)")
 
 
-@torch.library.custom_op("ssm_spec::gdn_snapshot_verify", mutates_args=("state", "out"))
-def gdn_snapshot_verify_op(
+def _gdn_snapshot_verify_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, src_indices: torch.Tensor, query_start_loc: torch.Tensor,
     snapshot_indices: torch.Tensor, out: torch.Tensor, scale: float, use_qk_l2norm: bool,
@@ -41,6 +41,10 @@ def gdn_snapshot_verify_op(
                               snapshot_indices, out)
     gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices, out,
                    None, scale, use_qk_l2norm)
+
+
+gdn_snapshot_verify_op = torch.library.custom_op("ssm_spec::gdn_snapshot_verify", mutates_args=("state", "out"))(
+    _gdn_snapshot_verify_cpu)
 
 
 @gdn_snapshot_verify_op.register_kernel("cuda")
@@ -55,6 +59,9 @@ def _gdn_snapshot_verify_cuda(q, k, v, g, beta, state, src_indices, query_start_
 @gdn_snapshot_verify_op.register_fake
 def _gdn_snapshot_verify_fake(*args, **kwargs):
     return None
+
+
+_eager.register("gdn_snapshot_verify", cpu=_gdn_snapshot_verify_cpu, cuda=_gdn_snapshot_verify_cuda)
 
 
 def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ... import reference
+from .. import _eager
 from .._validate import (
     FLOAT_DTYPES,
     STATE_DTYPES,
@@ -251,8 +252,7 @@ def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_s
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("ssm_spec::gdn_verify", mutates_args=("out", "rec_u", "rec_k", "rec_decay"))
-def gdn_verify_op(
+def _gdn_verify_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
     out: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
@@ -263,6 +263,10 @@ def gdn_verify_op(
                                query_start_loc, out, rec_u, rec_k, rec_decay)
     gdn_window_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
                    (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
+
+
+gdn_verify_op = torch.library.custom_op("ssm_spec::gdn_verify", mutates_args=("out", "rec_u", "rec_k", "rec_decay"))(
+    _gdn_verify_cpu)
 
 
 @gdn_verify_op.register_kernel("cuda")
@@ -277,6 +281,9 @@ def _gdn_verify_cuda(q, k, v, g, beta, state, state_indices, query_start_loc, ou
 @gdn_verify_op.register_fake
 def _gdn_verify_fake(*args, **kwargs):
     return None
+
+
+_eager.register("gdn_verify", cpu=_gdn_verify_cpu, cuda=_gdn_verify_cuda)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _eager
 from .._validate import (
     FLOAT_DTYPES,
     check_commit_metadata,
@@ -157,8 +158,7 @@ def check_short_conv_commit_structure(conv_state, rec_x, query_start_loc, src_in
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("ssm_spec::short_conv_commit", mutates_args=("conv_state",))
-def short_conv_commit_op(
+def _short_conv_commit_cpu(
     conv_state: torch.Tensor, rec_x: torch.Tensor, query_start_loc: torch.Tensor,
     src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor, dst_indices: torch.Tensor,
     boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
@@ -170,6 +170,10 @@ def short_conv_commit_op(
     short_conv_commit_cpu(*args)
 
 
+short_conv_commit_op = torch.library.custom_op("ssm_spec::short_conv_commit", mutates_args=("conv_state",))(
+    _short_conv_commit_cpu)
+
+
 @short_conv_commit_op.register_kernel("cuda")
 def _short_conv_commit_cuda(*args):
     check_short_conv_commit_structure(*args)
@@ -179,6 +183,9 @@ def _short_conv_commit_cuda(*args):
 @short_conv_commit_op.register_fake
 def _short_conv_commit_fake(*args, **kwargs):
     return None
+
+
+_eager.register("short_conv_commit", cpu=_short_conv_commit_cpu, cuda=_short_conv_commit_cuda)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ... import reference
+from .. import _eager
 from .._validate import (
     FLOAT_DTYPES,
     check_index,
@@ -148,8 +149,7 @@ def check_short_conv_verify_structure(x, weight, bias, conv_state, state_indices
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("ssm_spec::short_conv_verify", mutates_args=("out", "rec_x"))
-def short_conv_verify_op(
+def _short_conv_verify_cpu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     state_indices: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
     rec_x: torch.Tensor, dilation: int, activation: str,
@@ -161,6 +161,10 @@ def short_conv_verify_op(
     short_conv_verify_cpu(*args)
 
 
+short_conv_verify_op = torch.library.custom_op("ssm_spec::short_conv_verify", mutates_args=("out", "rec_x"))(
+    _short_conv_verify_cpu)
+
+
 @short_conv_verify_op.register_kernel("cuda")
 def _short_conv_verify_cuda(*args):
     check_short_conv_verify_structure(*args)
@@ -170,6 +174,9 @@ def _short_conv_verify_cuda(*args):
 @short_conv_verify_op.register_fake
 def _short_conv_verify_fake(*args, **kwargs):
     return None
+
+
+_eager.register("short_conv_verify", cpu=_short_conv_verify_cpu, cuda=_short_conv_verify_cuda)
 
 
 # ----------------------------------------------------------------------------- wrapper
