@@ -83,6 +83,7 @@ class RollbackPool:
         self._unabsorbed = 0  # tokens per row whose records still sit in the pool's buffers
         self._plan: _Plan | None = None
         self._metadata_cache: dict = {}
+        self._counts: dict = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -200,7 +201,9 @@ class RollbackPool:
         for spec, _, _, records in self._groups():
             new = tuple(r[:, : B * t].unflatten(1, (B, t)).clone() for r in records)
             old = self._pending.get(spec)
-            self._pending[spec] = new if old is None else tuple(torch.cat([o, n], 2) for o, n in zip(old, new))
+            if old is not None and old[0].shape[2]:
+                new = tuple(torch.cat([o, n], 2) for o, n in zip(old, new))
+            self._pending[spec] = new
         self._pending_len += t
         self._unabsorbed = 0
 
@@ -214,8 +217,7 @@ class RollbackPool:
             return
         src = self._ckpt if into_checkpoint or lo == 0 else self._scratch
         dst = self._ckpt if into_checkpoint else self._scratch
-        qsl = torch.arange(0, B * count + 1, count, dtype=torch.int32, device=self.device)
-        counts = torch.full((B,), count, dtype=torch.int32, device=self.device)
+        qsl, counts = self._count_tensors(count)
         for spec, kind, state, _ in self._groups():
             recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
             if kind == "gdn":
@@ -231,6 +233,17 @@ class RollbackPool:
             self._scratch_len = max(0, self._scratch_len - n)
         else:
             self._scratch_len = n
+
+    def _count_tensors(self, count: int):
+        """``(query_start_loc [B+1], num_accepted_tokens [B])`` int32 for ``count`` tokens per row,
+        made once per count (no allocation or fill launch per commit)."""
+        cached = self._counts.get(count)
+        if cached is None:
+            B = self.batch_size
+            cached = self._counts[count] = (
+                torch.arange(0, B * count + 1, count, dtype=torch.int32, device=self.device),
+                torch.full((B,), count, dtype=torch.int32, device=self.device))
+        return cached
 
     def _bring_scratch_up_to_date(self) -> str:
         """Make the scratch slots hold checkpoint + every pending token; say where to read."""
