@@ -210,7 +210,6 @@ class RollbackPool:
     def _commit_pending(self, n: int, *, into_checkpoint: bool) -> None:
         """Replay pending tokens: the first ``n`` into the checkpoints (then drop them), or,
         for the scratch slots, tokens ``[scratch_len, n)`` on top of what they hold."""
-        B = self.batch_size
         lo = 0 if into_checkpoint else self._scratch_len
         count = n - lo
         if count <= 0:
