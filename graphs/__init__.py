@@ -1,7 +1,10 @@
 """Capture of a whole spec-decode step in one CUDA graph (DESIGN.md section 6).
 
-The capture runner arrives with the modules and the step (issue "graphs/"); this package
-exists now so the distribution's import packages are fixed from the start.
+Here so far: the on-device acceptance rules the captured step runs between verify and commit
+(:mod:`graphs.acceptance`: greedy matching and speculative rejection sampling, no host sync,
+fixed shapes). The capture runner and the compiled step are the rest of the graphs issue.
 """
 
-__all__: list[str] = []
+from .acceptance import greedy_accept, rejection_sample_accept
+
+__all__ = ["greedy_accept", "rejection_sample_accept"]
