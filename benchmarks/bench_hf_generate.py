@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import json
 import math
 import platform
@@ -107,11 +106,6 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-
-def cache_kwarg(model) -> str:
-    """transformers' name for the cache argument: ``cache`` (5.2x+) or ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def output_cache(out):
@@ -299,6 +293,7 @@ def time_forwards(model, prompt, clock, widths, reps, warmup, *, rollback: bool,
 
 def run(args) -> dict:
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
+    from ssm_spec.hf.apply import cache_kwarg
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:

@@ -18,6 +18,7 @@ from torch import nn
 from ..metadata import RecoverSSMMetadata
 from ..modules import RecoverGatedDeltaNet
 from ..pools import StatePool
+from .cache import RecoverSSMCache
 
 __all__ = ["RecoverGDNAdapter"]
 
@@ -47,8 +48,6 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 cache_params=None, **kwargs) -> torch.Tensor:
-        from .cache import RecoverSSMCache
-
         cache = cache if cache is not None else cache_params
         if attention_mask is not None and attention_mask.dim() == 2:  # zero the padded positions, as HF does
             hidden_states = (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)

@@ -14,7 +14,7 @@ from torch import nn
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
 
-__all__ = ["apply_recoverssm", "is_converted", "draft_length"]
+__all__ = ["apply_recoverssm", "is_converted", "draft_length", "cache_kwarg"]
 
 DEFAULT_NUM_ASSISTANT_TOKENS = 20  # transformers' default for num_assistant_tokens
 
@@ -28,13 +28,13 @@ def is_converted(model: nn.Module) -> bool:
     return getattr(model, "_recoverssm", None) is not None
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """The name transformers uses for the cache: ``cache`` (5.2x and later) or ``past_key_values``."""
     params = inspect.signature(type(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def draft_length(model, generation_config, kwargs) -> int:
+def draft_length(generation_config, kwargs) -> int:
     """The most tokens one ``generate`` call may need to roll back: the draft length.
 
     ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (with a heuristic
@@ -102,7 +102,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": _cache_kwarg(model)}
+    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model)}
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
     _wrap_generate(model)
     _wrap_forward(model)
@@ -120,7 +120,7 @@ def _generate(self, *args, **kwargs):
     if assistant is not None and getattr(assistant, "_is_stateful", False):
         raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
                          "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
-    R = max(1, draft_length(self, gen_config, named) + 1)
+    R = max(1, draft_length(gen_config, named) + 1)
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
     if cache is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import os
 import sys
 import time
@@ -321,12 +320,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cache_kwarg(model) -> str:
-    """``cache`` (transformers 5.2x and later) or ``past_key_values``: generate's cache argument."""
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def _gen_kwargs(args, model) -> dict:
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample)
     if args.do_sample and args.temperature is not None:
@@ -345,6 +338,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
     ``assistant_model``); when given, ``model`` must be converted, and a fresh
     :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result.
     """
+    from .apply import cache_kwarg
     from .cache import RecoverSSMCache
 
     kw = _gen_kwargs(args, model)
@@ -358,7 +352,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         extra = {}
         if speculative is not None:
             cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
-            extra[_cache_kwarg(model)] = cache
+            extra[cache_kwarg(model)] = cache
         streamer = ProgressStreamer(args.max_new_tokens, desc=desc, disable=args.quiet)
         if args.do_sample:
             torch.manual_seed(args.seed)
@@ -370,7 +364,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         finally:
             streamer.bar.close()
         seconds = time.perf_counter() - start
-    stats = extra[_cache_kwarg(model)].stats if speculative is not None else None
+    stats = extra[cache_kwarg(model)].stats if speculative is not None else None
     return RunResult(out[0, input_ids.shape[1]:].cpu(), seconds, stats)
 
 
