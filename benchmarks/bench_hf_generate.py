@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import math
 import platform
 import statistics
@@ -58,6 +57,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import HelpFormatter, write_results
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNS = ("hf", "ours", "ours+lookup")
@@ -517,13 +517,8 @@ def save_plot(res: dict, path: Path) -> bool:
 # ----------------------------------------------------------------------------- CLI
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="tiny widths and few tokens (a CPU smoke run)")
     p.add_argument("--kind", choices=["qwen3_next", "qwen3_5"], default="qwen3_next", help="model family")
@@ -593,14 +588,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     res = run(args)
     print_table(res)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"hf_generate_{args.dtype}"
-    json_path = args.out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {json_path}")
-    png_path = args.out_dir / f"{stem}.png"
-    if save_plot(res, png_path):
-        print(f"wrote {png_path}")
+    write_results(res, args.out_dir, f"hf_generate_{args.dtype}", save_plot)
     return res
 
 

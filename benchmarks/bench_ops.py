@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import platform
 import re
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import HelpFormatter, write_results
 
 import ssm_spec  # noqa: F401  (registers torch.ops.ssm_spec.*)
 
@@ -437,16 +437,9 @@ def save_plot(res: dict, path: Path) -> bool:
 # ----------------------------------------------------------------------------- CLI
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except device-dependent ones (``None``: described in the help)."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke test only)")
     p.add_argument("--batches", type=ints, default=None,
@@ -503,14 +496,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     res = run(args)
     print_table(res)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_ops_{slug(res['device'])}_{args.state_dtype}"
-    json_path = args.out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {json_path}")
-    png_path = args.out_dir / f"{stem}.png"
-    if save_plot(res, png_path):
-        print(f"wrote {png_path}")
+    write_results(res, args.out_dir, f"bench_ops_{slug(res['device'])}_{args.state_dtype}", save_plot)
     return res
 
 

@@ -1,0 +1,26 @@
+"""What the benchmark scripts share: their help formatter and how they write results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except device-dependent ones (``None``: described in the help)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:
+    """Write ``res`` as ``<out_dir>/<stem>.json`` and, where ``save_plot(res, path)`` can
+    (matplotlib installed), ``<stem>.png``; print each path written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {json_path}")
+    png_path = out_dir / f"{stem}.png"
+    if save_plot(res, png_path):
+        print(f"wrote {png_path}")
