@@ -221,10 +221,10 @@ class RollbackPool:
             recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
             if kind == "gdn":
                 _eager.call("gdn_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
-                                              self._no_boundaries)
+                            self._no_boundaries)
             else:
                 _eager.call("short_conv_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
-                                                     self._no_boundaries)
+                            self._no_boundaries)
         if into_checkpoint:
             for spec, recs in self._pending.items():
                 self._pending[spec] = tuple(r[:, :, n:] for r in recs)

@@ -185,7 +185,7 @@ class RecoverGatedDeltaNet(nn.Module):
                     metadata.verify_query_start_loc)
             if pool.snapshot:  # the native path: a state write per window token
                 _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start),
-                                                       core[span], scale, True)
+                            core[span], scale, True)
             else:
                 rec = pool.gdn_record(self, span.stop - span.start)
                 _eager.call("gdn_verify", *args, core[span], rec.u, rec.k, rec.decay, scale, True)

@@ -55,13 +55,12 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
         if metadata.fresh_slots.numel():
             conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
         _eager.call("short_conv_verify", x[span], weight, bias, conv_state, metadata.verify_indices,
-                                             metadata.verify_query_start_loc, out[span], rec_x[:V], dilation,
-                                             activation)
+                    metadata.verify_query_start_loc, out[span], rec_x[:V], dilation, activation)
         if pool is not None and pool.snapshot:
             n, idx, off = token_snapshot_plan(metadata, pool)
             none = torch.full_like(n, -1)
             _eager.call("short_conv_commit", conv_state, rec_x[:V], metadata.verify_query_start_loc,
-                                                 metadata.verify_indices, n, none, idx, off)
+                        metadata.verify_indices, n, none, idx, off)
     for row in metadata.prefill_rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
         y, final, bounds = conv_prefill_row(x[row.bos:row.eos], weight, bias, init, dilation, activation,
