@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
@@ -36,6 +36,10 @@ for part in $PARTS; do
     bench-hf)
       python3 benchmarks/bench_hf_generate.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_hf.log"
       summary+=("bench hf: $OUT/bench_hf.log")
+      ;;
+    profile-hf)
+      python3 scripts/profile_hf_forward.py --out-dir "$OUT" 2>&1 | tee "$OUT/profile_hf.log"
+      summary+=("profile hf: $(tail -n 3 "$OUT/profile_hf.log" | tr '\n' ';')")
       ;;
     diag-fla)
       python3 scripts/diag_fla_prefill.py 2>&1 | tee "$OUT/diag_fla.log"

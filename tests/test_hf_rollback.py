@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
-from tests.helpers import rel_err
+from tests.helpers import FLA_PREFILL_TOL, prefill_uses_fla, rel_err
+
+
+def _tol(device, exact):
+    """``exact`` where every prompt runs the token loop; on CUDA with fla-core a fresh run's
+    prompt goes through fla's chunked prefill while the cropped cache's tokens went through
+    verify and commit, so they agree within FLA_PREFILL_TOL (the tiny models' head dim is 16)."""
+    return FLA_PREFILL_TOL if prefill_uses_fla(device, (16,)) else exact
 
 
 def _model(device, kind="qwen3_next", seed=0):
@@ -59,11 +66,11 @@ def test_crop_equals_a_fresh_run_of_the_kept_tokens(device, kind, splits, crop, 
     _feed(model, fresh, tokens, [kept])
     fresh.crop(0)
     for got, want in zip(_states(cache), _states(fresh)):
-        assert rel_err(got, want) < 1e-6
+        assert rel_err(got, want) < _tol(device, 1e-6)
     # and the next forward continues identically (the attention KV was cropped too)
     nxt = _feed(model, cache, tokens[:, kept:], [3])
     ref = _feed(model, fresh, tokens[:, kept:], [3])
-    assert rel_err(nxt, ref) < 1e-5
+    assert rel_err(nxt, ref) < _tol(device, 1e-5)
 
 
 def test_crop_deeper_than_held_raises_and_changes_nothing(device):
@@ -115,7 +122,7 @@ def test_a_converted_draft_cache_after_generate_equals_a_fresh_run(device):
     fresh.crop(0)
     dcache.crop(0)
     for got, want in zip(_states(dcache), _states(fresh)):
-        assert rel_err(got, want) < 1e-6
+        assert rel_err(got, want) < _tol(device, 1e-6)
 
 
 def test_beam_search_reorders_the_states(device):
