@@ -7,26 +7,36 @@ prompt (a sentence repeated ``--prompt-repeats`` times, batch 1), then measures,
 warm-up ``generate`` (full length by default, so every kernel is compiled and every draft width
 seen) and as the median of ``--repeats`` timed calls:
 
-1. ``hf``: plain greedy ``generate`` on the unconverted model (transformers' own GDN path,
-   with fla-core's kernels where installed);
-2. ``ours``: plain greedy ``generate`` on the same model after ``apply_recoverssm`` (converted
-   in place, so this runs second);
-3. ``ours+lookup``: ``generate(prompt_lookup_num_tokens=k)`` on the converted model, with a
+1. ``hf``: plain greedy ``generate`` on the unconverted model, with whatever GDN functions
+   transformers bound at import (``use_kernel_func_from_hub_with_fallback``: fla-core's and
+   causal-conv1d's kernels where installed, its own PyTorch functions otherwise);
+2. ``hf-torch``: the same, with transformers' PyTorch reference functions (the modeling
+   modules' ``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
+   ``causal_conv1d_fn``, ``causal_conv1d_update`` replaced by ``inspect.unwrap`` of themselves
+   for this run only, see :func:`hf_torch_kernels`): what plain transformers runs without
+   fla-core. Where ``hf`` already resolved to these functions (no fla-core, e.g. on CPU) it is
+   the same path, run again, and the JSON says so (``hf_torch_same_as_hf``). ``--no-hf-torch``
+   skips it;
+3. ``ours``: plain greedy ``generate`` on the same model after ``apply_recoverssm`` (converted
+   in place, so this runs after the baselines);
+4. ``ours+lookup``: ``generate(prompt_lookup_num_tokens=k)`` on the converted model, with a
    ``RecoverSSMCache`` passed in to read its acceptance stats afterwards.
 
 Every run produces exactly ``--new-tokens`` tokens (``max_new_tokens = min_new_tokens``). It
-reports tokens/s (prompt prefill included), the speedup of (3) over (1), and whether the
-three token sequences agree; in bf16 they may part after a near-tie, so for each pair it gives
-the first differing index and the logit gap there (top-1 minus top-2, and the logit of one
-run's token minus the other's), from a forward of the unconverted model over the prefix of (1)
+reports tokens/s (prompt prefill included), the speedups of ``ours`` and ``ours+lookup`` over
+both baselines (``hf`` and ``hf-torch``), the kernels each baseline resolved to, and whether
+the token sequences agree; in bf16 they may part after a near-tie (``hf-torch`` from ``hf``
+too: other kernels, other rounding), so for each pair it gives the first differing index and
+the logit gap there (top-1 minus top-2, and the logit of one run's token minus the other's),
+from a forward of the unconverted model (``hf``'s kernels) over the prefix of ``hf``
 (computed once over the whole plain sequence, before the conversion).
 
 It also times single forwards with a warm cache: W = 1 (a decode step) and W = k + 1 (a
 verify step) through the converted model (``RecoverSSMCache`` holding the prompt; each
 forward is followed by ``crop(-W)``, so the state is the same every time; forward and crop
 timed separately, median of ``--forward-reps``), and W = 1 through the unconverted model with
-transformers' cache (the state advances, as it cannot roll back; ``--hf-verify-forward`` adds
-W = k + 1 there too).
+``hf``'s kernels and transformers' cache (the state advances, as it cannot roll back;
+``--hf-verify-forward`` adds W = k + 1 there too).
 
 The weights are ``tiny_model``'s, with its linear-weight std scaled with the width by default
 (``--std``: ``0.2 * sqrt(64 / hidden)``, i.e. ``tiny_model``'s own 0.2 at its hidden size of 64).
@@ -42,13 +52,16 @@ Usage::
     python benchmarks/bench_hf_generate.py                     # cuda, bf16, 256 new tokens
     python benchmarks/bench_hf_generate.py --dtype float32
     python benchmarks/bench_hf_generate.py --device cpu --quick
+    python benchmarks/bench_hf_generate.py --no-hf-torch       # skip the PyTorch-reference baseline
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
+import inspect
 import math
 import platform
 import statistics
@@ -60,12 +73,20 @@ import torch
 from _results import HelpFormatter, write_results
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RUNS = ("hf", "ours", "ours+lookup")
+RUNS = ("hf", "hf-torch", "ours", "ours+lookup")
 RUN_TITLES = {
-    "hf": "(1) plain generate, unconverted model (transformers' GDN path)",
-    "ours": "(2) plain generate, converted model (RecoverSSMCache)",
-    "ours+lookup": "(3) prompt-lookup generate, converted model",
+    "hf": "(1) plain generate, unconverted model (transformers' GDN path, fla-core where installed)",
+    "hf-torch": "(2) plain generate, unconverted model (transformers' PyTorch reference functions)",
+    "ours": "(3) plain generate, converted model (RecoverSSMCache)",
+    "ours+lookup": "(4) prompt-lookup generate, converted model",
 }
+#: The baselines the speedups are reported over.
+BASELINES = ("hf", "hf-torch")
+#: transformers' modeling modules with GDN layers, and the module-level functions their forward
+#: looks up at call time (bound to fla-core / causal-conv1d kernels where installed).
+HF_MODELING = ("qwen3_next", "qwen3_5")
+HF_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                       "causal_conv1d_update")
 SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
 
 #: Widths of the default (H200) model and of ``--quick``.
@@ -176,6 +197,34 @@ def kernel_sources(model) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def hf_torch_kernels():
+    """Run transformers' GDN layers on their PyTorch reference functions inside the block.
+
+    Each of ``HF_KERNEL_FUNCTIONS`` in the ``HF_MODELING`` modules is a wrapper
+    (``use_kernel_func_from_hub_with_fallback``) dispatching to fla-core / causal-conv1d where
+    installed; it is replaced by ``inspect.unwrap`` of itself (transformers' own function) and put
+    back on exit, also on an error. The layers look these names up at call time, so this applies
+    to a model already built. Yields the ``model.function`` names replaced."""
+    saved = []
+    try:
+        for name in HF_MODELING:
+            try:
+                mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            except ImportError:
+                continue
+            for fn in HF_KERNEL_FUNCTIONS:
+                wrapped = getattr(mod, fn, None)
+                if wrapped is None or inspect.unwrap(wrapped) is wrapped:
+                    continue
+                saved.append((mod, fn, wrapped))
+                setattr(mod, fn, inspect.unwrap(wrapped))
+        yield [f"{mod.__name__.rsplit('.', 1)[-1].removeprefix('modeling_')}.{fn}" for mod, fn, _ in saved]
+    finally:
+        for mod, fn, wrapped in reversed(saved):
+            setattr(mod, fn, wrapped)
+
+
 def environment(device: torch.device) -> dict:
     env = {
         "python": platform.python_version(),
@@ -228,6 +277,17 @@ def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens
     phases.seconds[f"{name} timed"] = sum(times)
     return {"tokens": seq, "new_tokens": len(seq), "times_s": times, "time_s": med,
             "tokens_per_s": len(seq) / med, "extra": last_extra}
+
+
+def timed_generate_hf_torch(model, ids, clock, phases, hf_kernels: dict, **common) -> tuple[dict, dict]:
+    """``timed_generate`` of the unconverted model inside :func:`hf_torch_kernels`, and what it
+    ran on: the kernels (``kernel_sources`` inside the block), the functions replaced, and
+    whether that is ``hf``'s path already (the same kernels: nothing but transformers' dispatch
+    wrapper was taken away)."""
+    with hf_torch_kernels() as patched:
+        kernels = kernel_sources(model)
+        result = timed_generate(model, ids, clock, phases, "hf-torch", **common)
+    return result, {"kernels": kernels, "patched": patched, "same_as_hf": kernels == hf_kernels}
 
 
 def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -291,6 +351,11 @@ def time_forwards(model, prompt, clock, widths, reps, warmup, *, rollback: bool,
     return res
 
 
+def ratio(tps: dict, a: str, b: str) -> float | None:
+    """``tps[a] / tps[b]``, ``None`` where either run was skipped."""
+    return tps[a] / tps[b] if a in tps and b in tps else None
+
+
 def run(args) -> dict:
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
     from ssm_spec.hf.apply import cache_kwarg
@@ -322,10 +387,15 @@ def run(args) -> dict:
     kernels = kernel_sources(model)
     common = dict(new_tokens=N, warmup_tokens=args.warmup_tokens, repeats=args.repeats)
 
-    # (1) transformers' own path, before the in-place conversion.
+    # (1) transformers' own path, (2) its PyTorch reference functions, before the in-place conversion.
     runs = {}
     runs["hf"] = timed_generate(model, prompt, clock, phases, "hf", **common)
     print(f"hf:          {runs['hf']['tokens_per_s']:8.1f} tok/s", flush=True)
+    hf_torch = {"kernels": None, "patched": None, "same_as_hf": None}
+    if args.hf_torch:
+        runs["hf-torch"], hf_torch = timed_generate_hf_torch(model, prompt, clock, phases, kernels, **common)
+        same = " (the same path as hf: no fla-core kernels bound)" if hf_torch["same_as_hf"] else ""
+        print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
     plain_seq = prompt[0].tolist() + runs["hf"]["tokens"]
     with phases("hf logits"):
         plain_logits = full_logits(model, torch.tensor([plain_seq], device=device))
@@ -337,7 +407,7 @@ def run(args) -> dict:
         except Exception as exc:  # informative only; never lose the main numbers
             hf_forwards = {"error": f"{type(exc).__name__}: {exc}"}
 
-    # (2), (3): the same weights, converted in place.
+    # (3), (4): the same weights, converted in place.
     with phases("convert"):
         apply_recoverssm(model, state_dtype=state_dtype)
     key = cache_kwarg(model)
@@ -360,19 +430,21 @@ def run(args) -> dict:
             model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
             make_cache=lambda: RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype))
 
-    # Agreement of the three token sequences.
+    # Agreement of the token sequences.
     agreement = {}
+    pairs = [("hf", "hf-torch")] if "hf-torch" in runs else []
+    pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
     with phases("agreement"):
-        for a, b in (("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")):
+        for a, b in pairs:
             sa, sb = runs[a]["tokens"], runs[b]["tokens"]
             d = first_diff(sa, sb)
             entry = {"equal": d is None, "first_diff": d}
             if d is not None:
                 ta, tb = sa[d], sb[d]
                 entry.update({"token_a": ta, "token_b": tb})
-                if sa[:d] == runs["hf"]["tokens"][:d]:  # the prefix is (1)'s: the unconverted model's logits
+                if sa[:d] == runs["hf"]["tokens"][:d]:  # the prefix is hf's: the unconverted model's logits
                     entry.update(gap_at(plain_logits, P + d - 1, ta, tb), gap_model="unconverted")
-                else:  # (2) and (3) parted from (1) earlier: the converted model on (2)'s prefix
+                else:  # ours and ours+lookup parted from hf earlier: the converted model on ours' prefix
                     with torch.no_grad():
                         ids = torch.tensor([prompt[0].tolist() + sa[:d]], device=device)
                     logits = full_logits(model, ids)
@@ -383,7 +455,7 @@ def run(args) -> dict:
 
     for r in runs.values():
         r.pop("extra", None)
-    tps = {name: runs[name]["tokens_per_s"] for name in RUNS}
+    tps = {name: runs[name]["tokens_per_s"] for name in RUNS if name in runs}
     fw1, fwW = ours_forwards["1"], ours_forwards[str(k + 1)]
     res = {
         "environment": environment(device),
@@ -391,13 +463,19 @@ def run(args) -> dict:
                    "params": n_params, "seed": args.seed, "prompt_len": P, "prompt_repeats": args.prompt_repeats,
                    "new_tokens": N, "num_draft_tokens": k, "repeats": args.repeats,
                    "warmup_tokens": args.warmup_tokens, "forward_reps": args.forward_reps, "quick": args.quick,
-                   "batch": 1, "greedy": True},
+                   "batch": 1, "greedy": True, "hf_torch": args.hf_torch},
         "hf_kernels": kernels,
+        "hf_torch_kernels": hf_torch["kernels"],
+        "hf_torch_patched": hf_torch["patched"],
+        "hf_torch_same_as_hf": hf_torch["same_as_hf"],
         "runs": runs,
         "tokens_per_s": tps,
         "speedup_lookup_over_hf": tps["ours+lookup"] / tps["hf"],
         "speedup_ours_over_hf": tps["ours"] / tps["hf"],
         "speedup_lookup_over_ours": tps["ours+lookup"] / tps["ours"],
+        "speedup_lookup_over_hf_torch": ratio(tps, "ours+lookup", "hf-torch"),
+        "speedup_ours_over_hf_torch": ratio(tps, "ours", "hf-torch"),
+        "speedup_hf_over_hf_torch": ratio(tps, "hf", "hf-torch"),
         "acceptance": acceptance,
         "agreement": agreement,
         "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
@@ -429,20 +507,24 @@ def print_table(res: dict) -> None:
           f"({c['params'] / 1e6:.0f}M)  {c['dtype']}, state {c['state_dtype']}")
     print(f"prompt {c['prompt_len']} tokens, {c['new_tokens']} new tokens, k={k} drafts, batch 1, greedy, "
           f"median of {c['repeats']}")
-    if res["hf_kernels"]:
-        print("hf kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_kernels"].items()))
-    head = f"{'run':<12} | {'tok/s':>8} {'time s':>8} {'vs (1)':>7} | {'same as (1)':>12}"
+    print_kernels(res)
+    tps = res["tokens_per_s"]
+    head = (f"{'run':<12} | {'tok/s':>8} {'time s':>8} | " + " ".join(f"{'vs ' + b:>11}" for b in BASELINES)
+            + f" | {'same as hf':>11}")
     print(head)
     print("-" * len(head))
     for name in RUNS:
+        if name not in res["runs"]:
+            print(f"{name:<12} | skipped (--no-hf-torch)")
+            continue
         r = res["runs"][name]
         if name == "hf":
             same = "-"
         else:
             a = res["agreement"][f"hf vs {name}"]
             same = "yes" if a["equal"] else f"no @ {a['first_diff']}"
-        print(f"{name:<12} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} "
-              f"{r['tokens_per_s'] / res['runs']['hf']['tokens_per_s']:6.2f}x | {same:>12}")
+        vs = " ".join(f"{tps[name] / tps[b]:10.2f}x" if b in tps else f"{'-':>11}" for b in BASELINES)
+        print(f"{name:<12} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} | {vs} | {same:>11}")
     acc = res["acceptance"]
     print(f"lookup: {acc['rounds']} rounds, mean accepted length {acc['mean_accepted_length']:.2f}, "
           f"acceptance rate {acc['acceptance_rate']:.2f}, per position "
@@ -453,7 +535,7 @@ def print_table(res: dict) -> None:
                   f"({a['token_a']} vs {a['token_b']}); {a['gap_model']} model there: top1-top2 "
                   f"{a['top1_minus_top2']:.4g}, logit(a)-logit(b) {a['logit_a_minus_b']:.4g}")
     if res["plain_min_logit_gap"] is not None:
-        print(f"  smallest top1-top2 logit gap along (1): {res['plain_min_logit_gap']:.4g}")
+        print(f"  smallest top1-top2 logit gap along hf: {res['plain_min_logit_gap']:.4g}")
     fw = res["forwards"]
     print(f"single forwards, warm cache (median ms): W=1 decode, W={k + 1} verify")
     o1, oW = fw["ours"]["1"], fw["ours"][str(k + 1)]
@@ -467,8 +549,23 @@ def print_table(res: dict) -> None:
         print(f"  hf:   fwd {h}  ({ratio}transformers' cache, state advancing)")
     print("wall time (s): " + ", ".join(f"{n} {t:.1f}" for n, t in res["phases_s"].items())
           + f"; total {res['total_s']:.0f}")
-    print(f"speedup (3) over (1): {res['speedup_lookup_over_hf']:.2f}x, (2) over (1): "
-          f"{res['speedup_ours_over_hf']:.2f}x, (3) over (2): {res['speedup_lookup_over_ours']:.2f}x")
+    torch_part = ""
+    if res["speedup_lookup_over_hf_torch"] is not None:
+        torch_part = (f"; over hf-torch: ours+lookup {res['speedup_lookup_over_hf_torch']:.2f}x, "
+                      f"ours {res['speedup_ours_over_hf_torch']:.2f}x, hf {res['speedup_hf_over_hf_torch']:.2f}x")
+    print(f"speedup over hf: ours+lookup {res['speedup_lookup_over_hf']:.2f}x, ours {res['speedup_ours_over_hf']:.2f}x"
+          f"{torch_part}; ours+lookup over ours {res['speedup_lookup_over_ours']:.2f}x")
+
+
+def print_kernels(res: dict) -> None:
+    """The kernels each baseline ran on (and whether ``hf-torch`` is ``hf``'s path)."""
+    if res["hf_kernels"]:
+        print("hf kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_kernels"].items()))
+    if res["hf_torch_same_as_hf"]:
+        print("hf-torch kernels: the same as hf (transformers' PyTorch functions; no fla-core kernels bound), "
+              "so hf-torch repeats hf's path")
+    elif res["hf_torch_kernels"]:
+        print("hf-torch kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_torch_kernels"].items()))
 
 
 def save_plot(res: dict, path: Path) -> bool:
@@ -481,12 +578,16 @@ def save_plot(res: dict, path: Path) -> bool:
         return False
     c, k = res["config"], res["config"]["num_draft_tokens"]
     fig, (ax_g, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = ["(1) hf generate", "(2) ours generate", f"(3) ours + lookup k={k}"]
-    vals = [res["tokens_per_s"][n] for n in RUNS]
-    bars = ax_g.bar(labels, vals, color=["tab:gray", "tab:blue", "tab:green"])
+    tps = res["tokens_per_s"]
+    names = [n for n in RUNS if n in tps]
+    labels = {"hf": "hf generate", "hf-torch": "hf generate\n(torch reference)", "ours": "ours generate",
+              "ours+lookup": f"ours + lookup k={k}"}
+    colors = {"hf": "tab:gray", "hf-torch": "silver", "ours": "tab:blue", "ours+lookup": "tab:green"}
+    vals = [tps[n] for n in names]
+    bars = ax_g.bar([labels[n] for n in names], vals, color=[colors[n] for n in names])
     for bar, v in zip(bars, vals):
-        ax_g.annotate(f"{v:.0f}\n({v / vals[0]:.2f}x)", (bar.get_x() + bar.get_width() / 2, v),
-                      ha="center", va="bottom", fontsize=8)
+        vs = "\n".join(f"{v / tps[b]:.2f}x {b}" for b in BASELINES if b in tps)
+        ax_g.annotate(f"{v:.0f}\n{vs}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
     ax_g.set(ylabel="tokens / s", title=f"generate, {c['new_tokens']} new tokens, batch 1")
     ax_g.margins(y=0.2)
     ax_g.tick_params(axis="x", labelsize=8)
@@ -550,6 +651,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--forward-reps", type=int, default=None,
                    help=f"timed single forwards per width, median (default {FULL['forward_reps']})")
     p.add_argument("--forward-warmup", type=int, default=3, help="untimed single forwards per width")
+    p.add_argument("--no-hf-torch", dest="hf_torch", action="store_false",
+                   help="skip the hf-torch baseline (the unconverted model on transformers' PyTorch reference "
+                        "functions instead of fla-core's kernels)")
     p.add_argument("--hf-verify-forward", action="store_true",
                    help="also time a W = k + 1 forward of the unconverted model (state advancing; compiles "
                         "fla's chunked kernels for a cached short window: ~15 s more on a fresh H200)")

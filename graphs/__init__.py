@@ -1,10 +1,21 @@
-"""Capture of a whole spec-decode step in one CUDA graph (DESIGN.md section 6).
+"""Capture of a whole spec-decode step in one CUDA graph, and its ``torch.compile`` form
+(DESIGN.md section 6).
 
-Here so far: the on-device acceptance rules the captured step runs between verify and commit
-(:mod:`graphs.acceptance`: greedy matching and speculative rejection sampling, no host sync,
-fixed shapes). The capture runner and the compiled step are the rest of the graphs issue.
+* :class:`SpecDecodeGraphRunner`: one CUDA graph per batch-size bucket holding verify for
+  every layer, on-device acceptance and the grouped commit; static buffers, padding rows,
+  one shared graph memory pool.
+* :func:`spec_decode_step`: the step body (what is captured), usable eagerly.
+* :func:`compile_step`: ``torch.compile(step, fullgraph=True)``, ``mode="reduce-overhead"``
+  with the pool as static addresses.
+* :func:`greedy_accept`, :func:`rejection_sample_accept`: the acceptance rules.
+* :mod:`graphs.stack`: a Qwen3-Next-shaped decoder stack with static KV buffers (harness for
+  tests, examples and benchmarks).
 """
 
 from .acceptance import greedy_accept, rejection_sample_accept
+from .compiled import compile_step
+from .runner import DEFAULT_BUCKETS, CaptureError, SpecDecodeGraphRunner
+from .step import spec_decode_step
 
-__all__ = ["greedy_accept", "rejection_sample_accept"]
+__all__ = ["greedy_accept", "rejection_sample_accept", "spec_decode_step", "SpecDecodeGraphRunner",
+           "CaptureError", "DEFAULT_BUCKETS", "compile_step"]

@@ -55,6 +55,8 @@ class RecoverSSMMetadata:
         block_table ``[B, ncols]`` (align mode only).
 
         verify_query_start_loc ``[B + 1]``: the windows relative to :attr:`verify_span`.
+        state_indices ``[B]``: the slot of each row as the caller gave it (``NULL_SLOT`` for
+        padding); ``None`` in align mode (the block table holds the slots).
 
     Host values:
         num_tokens ``T``; verify_start / verify_stop (the verify span); num_rows ``B``; block_size (align mode) or None; max_window (the
@@ -77,6 +79,7 @@ class RecoverSSMMetadata:
     verify_start: int = 0
     verify_stop: int = 0
     verify_query_start_loc: torch.Tensor | None = None
+    state_indices: torch.Tensor | None = None
 
     @property
     def verify_span(self) -> slice:
@@ -279,4 +282,57 @@ class RecoverSSMMetadata:
             verify_start=lo,
             verify_stop=hi,
             verify_query_start_loc=i32([min(max(q - lo, 0), hi - lo) for q in qsl]),
+            state_indices=None if align else i32(slots),
+        )
+
+    @classmethod
+    def uniform_verify(cls, state_indices: torch.Tensor, num_computed_tokens: torch.Tensor,
+                       query_start_loc: torch.Tensor, window: int) -> RecoverSSMMetadata:
+        """The metadata of a uniform verify step, built on the device with no host read.
+
+        Every row owns ``window`` consecutive token positions (``query_start_loc[b] = b *
+        window``), verifies them against its checkpoint ``state_indices[b]`` and commits
+        later; a row whose slot is ``NULL_SLOT`` is padding (reads and writes nothing). Rows
+        may carry fewer real tokens than ``window``: the positions after them are verified
+        like any others (causal, so the real ones are unaffected) and the commit, whose counts
+        never exceed the real length, never replays them. This is the step :mod:`graphs`
+        captures: its shapes depend only on ``B`` and ``window``.
+
+        Nothing is validated here (it would read the values back); the caller checks slots
+        and counts before it fills the buffers these tensors view. Every real row must hold a
+        committed state (``num_computed_tokens > 0``: prefill runs outside the uniform step),
+        and there is no align mode.
+
+        Args:
+            state_indices: ``[B]`` int32 slots (``NULL_SLOT``: padding).
+            num_computed_tokens: ``[B]`` int32 committed tokens per row.
+            query_start_loc: ``[B + 1]`` int32, ``arange(B + 1) * window``.
+            window: ``W``, tokens per row.
+
+        Raises:
+            ValueError: on shapes that do not fit ``B`` rows, or a ``window < 1``.
+        """
+        B = state_indices.shape[0]
+        if window < 1 or state_indices.dim() != 1 or num_computed_tokens.shape != (B,) \
+                or query_start_loc.shape != (B + 1,):
+            _fail("uniform_verify", f"state_indices {list(state_indices.shape)}, num_computed_tokens "
+                  f"{list(num_computed_tokens.shape)}, query_start_loc {list(query_start_loc.shape)}, "
+                  f"window {window}", "[B], [B], [B + 1] and window >= 1")
+        T = B * window
+        return cls(
+            query_start_loc=query_start_loc,
+            is_prefill=torch.zeros(B, dtype=torch.bool, device=state_indices.device),
+            num_computed_tokens=num_computed_tokens,
+            verify_indices=state_indices,
+            fresh_slots=state_indices[:0],
+            block_table=None,
+            num_tokens=T,
+            num_rows=B,
+            block_size=None,
+            max_window=window,
+            prefill_rows=(),
+            verify_start=0,
+            verify_stop=T,
+            verify_query_start_loc=query_start_loc,
+            state_indices=state_indices,
         )

@@ -23,3 +23,10 @@ def test_hf_assisted_generate_example_equals_plain_greedy(capsys):
     example = _load("hf_assisted_generate")
     assert example.main([]) == 0
     assert "equal plain greedy: True" in capsys.readouterr().out
+
+
+def test_compile_graph_capture_example_runs(capsys):
+    example = _load("compile_graph_capture")
+    assert example.main(["--quick", "--device", "cpu", "--batch", "1", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "eager ms" in out and "captured 0 bucket(s)" in out

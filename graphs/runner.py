@@ -1,0 +1,308 @@
+"""``SpecDecodeGraphRunner``: the uniform spec-decode step captured as one CUDA graph per
+batch-size bucket (DESIGN.md section 6).
+
+Per bucket one graph holds the model's verify forward for every layer, on-device acceptance
+and the grouped commit. Inputs live in static buffers sized for the largest bucket; a call
+copies the real rows in, pads the rest of the bucket with ``NULL_SLOT`` rows of zero-length
+windows, replays the smallest bucket that fits, and returns views of the static outputs.
+All buckets share one graph memory pool. Capture refuses a step that synchronises with the
+host or allocates outside that pool, with a message that says which.
+
+Off CUDA (or with ``capture=False``) the runner runs the same step body eagerly on the same
+buffers, so its padding and bucketing behave identically everywhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from ssm_spec import NULL_SLOT, StatePool
+
+from .step import spec_decode_step
+
+__all__ = ["SpecDecodeGraphRunner", "CaptureError", "DEFAULT_BUCKETS"]
+
+#: Batch-size buckets captured by default (capped by the pool's slot count).
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class CaptureError(RuntimeError):
+    """The step cannot be held by a CUDA graph: it synchronised with the host, ran an operation
+    capture forbids, or allocated memory outside the graph pool while being captured."""
+
+
+def _active_blocks_outside(pool_id) -> dict[int, int]:
+    """``{address: size}`` of allocated blocks of the caching allocator not in ``pool_id``."""
+    blocks = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(seg.get("segment_pool_id", (0, 0))) == tuple(pool_id):
+            continue
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                blocks[blk["address"]] = blk["size"]
+    return blocks
+
+
+def _set_sync_debug_mode(mode) -> None:
+    """``torch.cuda.set_sync_debug_mode`` without its "prototype feature" warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+class SpecDecodeGraphRunner:
+    """Captured uniform spec-decode steps for a model and its state pool.
+
+    Args:
+        model: ``model(input_ids [T] int64, metadata, pool) -> logits [T, vocab]`` whose
+            forward is capture-safe (static buffers, no host reads), e.g.
+            :class:`graphs.stack.DecoderStack`.
+        pool: the model's :class:`~ssm_spec.StatePool` (its ``max_tokens`` must hold the
+            largest bucket's ``B * W`` tokens).
+        num_draft_tokens: ``k``; every row's window is ``W = k + 1`` tokens.
+        vocab_size: the logits' width (sizes ``draft_probs``).
+        buckets: batch sizes to capture; those above ``pool.num_slots`` are dropped.
+        sampling: capture rejection sampling (``step`` then takes ``draft_probs``) instead
+            of greedy matching.
+        temperature: the target's sampling temperature (sampling only; fixed at capture).
+        generator: a CUDA generator for sampling (default: the device's default generator);
+            registered with every graph so each replay draws fresh numbers.
+        pad_token: filler of unused output positions and padded window positions.
+        capture: capture CUDA graphs (default: when the pool is on CUDA); ``False`` runs the
+            step eagerly on the static buffers.
+
+    Raises:
+        ValueError: ``num_draft_tokens < 0``, no bucket left, a pool too small for the largest
+            bucket, or a ``generator`` on another device.
+    """
+
+    def __init__(self, model, pool: StatePool, num_draft_tokens: int, vocab_size: int, *,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, sampling: bool = False, temperature: float = 1.0,
+                 generator: torch.Generator | None = None, pad_token: int = 0, capture: bool | None = None):
+        if num_draft_tokens < 0:
+            raise ValueError(f"SpecDecodeGraphRunner: num_draft_tokens: got {num_draft_tokens}; expected >= 0")
+        self.buckets = tuple(sorted({int(b) for b in buckets if 1 <= int(b) <= pool.num_slots}))
+        if not self.buckets:
+            raise ValueError(f"SpecDecodeGraphRunner: buckets: none of {list(buckets)} fits the pool's "
+                             f"{pool.num_slots} slots")
+        self.W = W = num_draft_tokens + 1
+        bmax = self.buckets[-1]
+        if pool.max_tokens < bmax * W:
+            raise ValueError(f"SpecDecodeGraphRunner: pool.max_tokens: got {pool.max_tokens}; expected >= "
+                             f"{bmax * W} (the largest bucket, {bmax} rows of {W} tokens)")
+        if sampling and not temperature > 0:
+            raise ValueError(f"SpecDecodeGraphRunner: temperature: got {temperature}; expected > 0")
+        self.model, self.pool, self.vocab_size = model, pool, vocab_size
+        self.sampling, self.temperature, self.generator, self.pad_token = sampling, temperature, generator, pad_token
+        dev = self.device = pool.device
+        if generator is not None and generator.device.type != dev.type:
+            raise ValueError(f"SpecDecodeGraphRunner: generator: on {generator.device}; expected {dev}")
+        self.capture_graphs = dev.type == "cuda" if capture is None else bool(capture)
+        i32 = dict(dtype=torch.int32, device=dev)
+        # static inputs (padding values: a NULL_SLOT row with a zero-length window)
+        self.window_tokens = torch.full((bmax, W), pad_token, dtype=torch.int64, device=dev)
+        self.window_lens = torch.zeros(bmax, **i32)
+        self.state_indices = torch.full((bmax,), NULL_SLOT, **i32)
+        self.num_computed_tokens = torch.zeros(bmax, **i32)
+        self.query_start_loc = torch.arange(bmax + 1, **i32) * W
+        self.draft_probs = torch.zeros(bmax, W - 1, vocab_size, device=dev) if sampling else None
+        # static outputs
+        self.accepted_tokens = torch.full((bmax, W), pad_token, dtype=torch.int64, device=dev)
+        self.num_accepted_tokens = torch.zeros(bmax, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mempool = None
+
+    # ------------------------------------------------------------------ the step body
+    def _body(self, B: int) -> None:
+        """The step on the first ``B`` rows of the static buffers (captured or eager)."""
+        accepted, counts = spec_decode_step(
+            self.model, self.pool, self.window_tokens[:B], self.window_lens[:B], self.state_indices[:B],
+            self.num_computed_tokens[:B], self.query_start_loc[:B + 1],
+            self.draft_probs[:B] if self.sampling else None,
+            temperature=self.temperature, generator=self.generator, pad_token=self.pad_token)
+        self.accepted_tokens[:B].copy_(accepted)
+        self.num_accepted_tokens[:B].copy_(counts)
+
+    def bucket_for(self, batch: int) -> int:
+        """The smallest bucket holding ``batch`` rows.
+
+        Raises:
+            ValueError: ``batch`` outside ``1..max bucket``.
+        """
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise ValueError(f"SpecDecodeGraphRunner: batch: got {batch} rows; expected 1..{self.buckets[-1]}")
+
+    # ------------------------------------------------------------------ capture
+    def _pad_all(self) -> None:
+        self.window_tokens.fill_(self.pad_token)
+        self.window_lens.zero_()
+        self.state_indices.fill_(NULL_SLOT)
+        self.num_computed_tokens.zero_()
+        if self.sampling:
+            self.draft_probs.fill_(1.0 / self.vocab_size)
+
+    @torch.no_grad()
+    def capture(self, warmup: int = 2) -> SpecDecodeGraphRunner:
+        """Capture one graph per bucket, largest first, into one shared memory pool.
+
+        Every bucket first runs ``warmup`` times eagerly on a side stream with only padding
+        rows (kernels compile, libraries set up their workspaces; no state changes: padding
+        rows read and write nothing). A no-op when the runner does not capture.
+
+        Raises:
+            CaptureError: the step synchronised with the host or used an operation CUDA
+                graphs forbid (the CUDA error is chained), or it allocated memory outside the
+                graph pool during capture (sizes and count given).
+        """
+        if not self.capture_graphs or self.graphs:
+            return self
+        self._pad_all()
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for B in self.buckets:
+                for _ in range(warmup):
+                    self._body(B)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.mempool = torch.cuda.graph_pool_handle()
+        for B in reversed(self.buckets):
+            self.graphs[B] = self._capture_one(B)
+        torch.cuda.synchronize(self.device)
+        return self
+
+    def _capture_one(self, B: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
+        mode = torch.cuda.get_sync_debug_mode()
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool):
+                # The allocator state is read inside the capture, around the body alone: entering
+                # the capture may itself allocate outside the pool once per process (the graph-safe
+                # RNG's seed and offset tensors), which is not the step's doing.
+                before = _active_blocks_outside(self.mempool)
+                _set_sync_debug_mode("error")  # a host sync raises instead of warning
+                try:
+                    self._body(B)
+                finally:
+                    _set_sync_debug_mode(mode)
+                after = _active_blocks_outside(self.mempool)
+        except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
+            raise CaptureError(f"SpecDecodeGraphRunner: capturing bucket {B}: the step synchronised with the host "
+                               f"or ran an operation CUDA graphs cannot hold: {exc}") from exc
+        new = {a: s for a, s in after.items() if a not in before}
+        if new:
+            raise CaptureError(f"SpecDecodeGraphRunner: capturing bucket {B}: the step allocated {len(new)} "
+                               f"block(s), {sum(new.values())} bytes, outside the graph memory pool")
+        return graph
+
+    # ------------------------------------------------------------------ a step
+    def _check(self, window_tokens, window_lens, state_indices, num_computed_tokens, draft_probs) -> None:
+        B = window_tokens.shape[0] if window_tokens.dim() == 2 else -1
+        W, V = self.W, self.vocab_size
+        shapes = {"window_tokens": (window_tokens, (B, W)), "window_lens": (window_lens, (B,)),
+                  "state_indices": (state_indices, (B,)), "num_computed_tokens": (num_computed_tokens, (B,))}
+        if self.sampling:
+            if draft_probs is None:
+                raise ValueError("SpecDecodeGraphRunner.step: draft_probs: got None; expected "
+                                 f"[B, {W - 1}, {V}] (the runner samples)")
+            shapes["draft_probs"] = (draft_probs, (B, W - 1, V))
+        elif draft_probs is not None:
+            raise ValueError("SpecDecodeGraphRunner.step: draft_probs given to a greedy runner "
+                             "(construct it with sampling=True)")
+        for name, (t, shape) in shapes.items():
+            if tuple(t.shape) != shape:
+                raise ValueError(f"SpecDecodeGraphRunner.step: {name}: got shape {list(t.shape)}; expected "
+                                 f"{list(shape)} (W = {W})")
+        self.bucket_for(B)
+
+    @staticmethod
+    def _check_values(W, vocab, slots_total, window_tokens, window_lens, state_indices, num_computed_tokens):
+        lens, slots = window_lens.tolist(), state_indices.tolist()
+        nct = num_computed_tokens.tolist()
+        seen = set()
+        for b, (n, s, c) in enumerate(zip(lens, slots, nct)):
+            if s < 0:
+                if n:
+                    raise ValueError(f"SpecDecodeGraphRunner.step: window_lens[{b}]: got {n} for a padding row "
+                                     f"(state_indices[{b}] = {s}); expected 0")
+                continue
+            if s >= slots_total:
+                raise ValueError(f"SpecDecodeGraphRunner.step: state_indices[{b}]: got {s}; expected < "
+                                 f"{slots_total}")
+            if s in seen:
+                raise ValueError(f"SpecDecodeGraphRunner.step: state_indices[{b}]: slot {s} appears twice")
+            seen.add(s)
+            if not 1 <= n <= W:
+                raise ValueError(f"SpecDecodeGraphRunner.step: window_lens[{b}]: got {n}; expected 1..{W}")
+            if c < 1:
+                raise ValueError(f"SpecDecodeGraphRunner.step: num_computed_tokens[{b}]: got {c}; expected >= 1 "
+                                 "(prefill runs outside the uniform step)")
+        lo, hi = int(window_tokens.min()), int(window_tokens.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"SpecDecodeGraphRunner.step: window_tokens: got values in [{lo}, {hi}]; expected "
+                             f"0..{vocab - 1}")
+
+    @torch.no_grad()
+    def step(self, window_tokens: torch.Tensor, window_lens: torch.Tensor, state_indices: torch.Tensor,
+             num_computed_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
+             validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one step for ``B`` rows: copy them into the static buffers, pad to the smallest
+        bucket, replay its graph (or run the body eagerly), and return the outputs.
+
+        Args:
+            window_tokens: ``[B, W]`` int64 (positions past a row's length are ignored).
+            window_lens: ``[B]`` int, ``1..W`` real tokens (``0`` with ``NULL_SLOT``: padding).
+            state_indices: ``[B]`` int slots, distinct; ``NULL_SLOT`` for padding rows.
+            num_computed_tokens: ``[B]`` int committed tokens per row (``>= 1``: prefill first).
+            draft_probs: ``[B, W - 1, vocab]`` (sampling runners only).
+            validate: check the values on the host first (one device-to-host read of the small
+                index tensors). Shapes are always checked.
+
+        Returns:
+            ``(accepted_tokens [B, W] int64, num_accepted_tokens [B] int32)``: views of the
+            static outputs, valid until the next step (clone to keep them).
+
+        Raises:
+            ValueError: a shape or (with ``validate``) a value out of contract; raised before
+                any buffer or state is written.
+        """
+        self._check(window_tokens, window_lens, state_indices, num_computed_tokens, draft_probs)
+        if validate:
+            self._check_values(self.W, self.vocab_size, self.pool.num_slots, window_tokens, window_lens,
+                               state_indices, num_computed_tokens)
+        if self.capture_graphs and not self.graphs:
+            self.capture()  # first: capturing pads every static buffer
+        B = window_tokens.shape[0]
+        bucket = self.bucket_for(B)
+        self.window_tokens[:B].copy_(window_tokens)
+        self.window_lens[:B].copy_(window_lens)
+        self.state_indices[:B].copy_(state_indices)
+        self.num_computed_tokens[:B].copy_(num_computed_tokens)
+        if bucket > B:
+            self.window_tokens[B:bucket].fill_(self.pad_token)
+            self.window_lens[B:bucket].zero_()
+            self.state_indices[B:bucket].fill_(NULL_SLOT)
+            self.num_computed_tokens[B:bucket].zero_()
+        if self.sampling:
+            self.draft_probs[:B].copy_(draft_probs)
+            if bucket > B:
+                self.draft_probs[B:bucket].fill_(1.0 / self.vocab_size)
+        if self.capture_graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._body(bucket)
+        return self.accepted_tokens[:B], self.num_accepted_tokens[:B]
+
+    @torch.no_grad()
+    def eager_step(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step body eagerly on the static buffers as they are, for ``bucket`` rows (the
+        reference a replay must equal bit for bit)."""
+        self._body(bucket)
+        return self.accepted_tokens[:bucket], self.num_accepted_tokens[:bucket]
