@@ -100,7 +100,7 @@ def test_compile_validation_is_off_and_no_graph_break(device):
     assert torch.equal(out, ref)  # every token of qsl [0, 3, 3, 7] is in a live window
 
 
-@pytest.mark.parametrize("op_name", ["gdn_verify", "gdn_commit", "gdn_snapshot_verify",
+@pytest.mark.parametrize("op_name", ["gdn_verify", "gdn_commit", "gdn_snapshot_verify", "gdn_folded_verify",
                                      "short_conv_verify", "short_conv_commit"])
 def test_schema_declares_mutation(op_name):
     schema = getattr(torch.ops.ssm_spec, op_name).default._schema
@@ -109,6 +109,7 @@ def test_schema_declares_mutation(op_name):
         "gdn_verify": {"out", "rec_u", "rec_k", "rec_decay"},
         "gdn_commit": {"state"},
         "gdn_snapshot_verify": {"state", "out"},
+        "gdn_folded_verify": {"state", "out", "rec_u", "rec_k", "rec_decay"},
         "short_conv_verify": {"out", "rec_x"},
         "short_conv_commit": {"conv_state"},
     }[op_name]

@@ -217,3 +217,31 @@ def test_kernel_guards_skip_and_clamp_wild_metadata():
     ops.short_conv_commit(want, x, qsl, i32([0, 1], "cpu"), i32([W, 2], "cpu"), i32([2, -1], "cpu"),
                           i32([[-1], [3]], "cpu"), i32([[1], [1]], "cpu"))
     assert same_bits(view, want) and big[S:].isnan().all()
+
+
+@pytest.mark.parametrize("counts", [[0, 0, 0], [1, 3, 2], [4, 4, 2], [2, 0, 1]])
+def test_folded_kernel_is_commit_then_verify_bit_for_bit(counts):
+    """The fold (previous window replayed inside the verify kernel) gives the separate commit
+    kernel's state and then the separate verify kernel's outputs and records, bit for bit."""
+    W, HV, H, K, V = 4, 4, 2, 16, 24
+    lengths, srcs = [W, W, 2], [1, 0, 4]
+    qsl = qsl_from_lengths(lengths, "cpu")
+    src = i32(srcs, "cpu")
+    pool = random_pool(8, HV, K, V, "cpu")
+    pool[5:] = NAN  # slots no row owns: must stay as they are
+    _, prev = _triton_verify(gdn_inputs(int(qsl[-1]), H, HV, K, V, "cpu"), pool, src, qsl)
+    nxt = gdn_inputs(int(qsl[-1]), H, HV, K, V, "cpu", gen=torch.Generator().manual_seed(7))
+    n = i32(counts, "cpu")
+    separate = pool.clone()
+    dst = src
+    launch_gdn_commit(separate, *prev, qsl, src, n, dst, *no_boundaries(3, "cpu"))
+    out_s, rec_s = _triton_verify(nxt, separate, src, qsl)
+    folded = pool.clone()
+    T = nxt.q.shape[0]
+    out_f = torch.full((T, HV, V), NAN)
+    rec_f = ops.ReplayRecord(torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN), torch.full((T, HV), NAN))
+    launch_gdn_window(*nxt.args(), folded, src, qsl, None, out_f, rec_f, K**-0.5, True,
+                      fold=(*prev, qsl[:-1].contiguous(), n))
+    assert same_bits(folded, separate)
+    for got, want in zip((out_f, *rec_f), (out_s, *rec_s)):
+        assert same_bits(got, want)

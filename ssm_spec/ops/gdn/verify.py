@@ -57,27 +57,38 @@ class ReplayRecord(NamedTuple):
 # ----------------------------------------------------------------------------- Triton
 
 
-@triton.jit(do_not_specialize=["S", "store_record", "store_snapshots"])
+@triton.jit(do_not_specialize=["S", "TP", "store_record", "store_snapshots", "fold",
+                               # the fold's inputs are dummies when it is off: never specialized
+                               # on them, so every mode stays one binary
+                               "pru_ptr", "prk_ptr", "prd_ptr", "pstart_ptr", "pn_ptr",
+                               "s_prut", "s_pruh", "s_pruv", "s_prkt", "s_prkh", "s_prkk",
+                               "s_prdt", "s_prdh", "s_pstart", "s_pn"])
 def gdn_window_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     state_ptr, src_ptr, qsl_ptr, snap_ptr,
     out_ptr, ru_ptr, rk_ptr, rd_ptr,
-    scale, T, S, store_record, store_snapshots,
+    pru_ptr, prk_ptr, prd_ptr, pstart_ptr, pn_ptr,
+    scale, T, S, TP, store_record, store_snapshots, fold,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
     s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
     s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
+    s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk, s_prdt, s_prdh, s_pstart, s_pn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr,
 ):
     """One program per (V tile, row x value head): the state tile stays in registers across
     the row's window. ``store_record``: write the replay record (verify). ``store_snapshots``:
-    write the state after each token into ``snap_ptr[t]`` (the native path).
+    write the state after each token into ``snap_ptr[t]`` (the native path). ``fold``: first
+    replay the row's previous window, ``pn[b]`` tokens of the previous step's records from
+    token ``pstart[b]`` (``TP`` rows), onto the checkpoint, store it once in the pool's dtype
+    and verify from that stored value (the folded commit).
 
-    The two modes are *runtime* flags, not constexprs, and are excluded from specialization
-    (with ``S``): verify and snapshot then run one compiled binary, so the layout Triton picks
-    for the state tile, and with it the order of the K reduction that yields ``u``, is the
-    same for both. Constexpr modes compiled two binaries whose reductions differed in the
-    last bit on the H200 (K=16, V=32)."""
+    The modes are *runtime* flags, not constexprs, and are excluded from specialization
+    (with ``S``, ``TP``): verify, snapshot and the folded verify then run one compiled binary,
+    so the layout Triton picks for the state tile, and with it the order of the K reduction
+    that yields ``u``, is the same for all. Constexpr modes compiled two binaries whose
+    reductions differed in the last bit on the H200 (K=16, V=32). The fold replays records
+    with the commit's elementwise update (no reduction), so it lands on the commit's bits."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -93,6 +104,22 @@ def gdn_window_kernel(
         m_h = m_k[:, None] & m_v[None, :]
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
+        if fold != 0:
+            p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_pstart), 0), TP)
+            pn = tl.minimum(tl.maximum(tl.load(pn_ptr + i_b * s_pn), 0), TP - p0)
+            tt = 0
+            while tt < pn:
+                tok = (p0 + tt).to(tl.int64)
+                b_kp = tl.load(prk_ptr + tok * s_prkt + i_h * s_prkh + o_k * s_prkk, mask=m_k, other=0)
+                b_up = tl.load(pru_ptr + tok * s_prut + i_hv * s_pruh + o_v * s_pruv, mask=m_v, other=0)
+                b_dp = tl.load(prd_ptr + tok * s_prdt + i_hv * s_prdh)
+                b_h = gdn_apply(gdn_decay(b_h, b_dp, USE_PTX), tl.broadcast_to(b_kp[:, None], (BK, BV)), b_up,
+                                USE_PTX)
+                tt += 1
+            if pn > 0:  # the committed state, stored once; verify continues from the stored value
+                b_hs = b_h.to(state_ptr.dtype.element_ty)
+                tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
+                b_h = b_hs.to(tl.float32)
         write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
         t = bos.to(tl.int64)  # int64 token offsets
         while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
@@ -131,12 +158,13 @@ def gdn_window_kernel(
 
 
 def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
-                      out, record, scale, use_qk_l2norm, config=None):
+                      out, record, scale, use_qk_l2norm, config=None, fold=None):
     """Launch :func:`gdn_window_kernel` (no allocation; the grid depends on shapes only).
 
     ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
-    tensor or None. ``config`` overrides ``(BK, BV, num_warps)`` (benchmarks only: bit
-    identity with commit holds for the default, shared configuration).
+    tensor or None; ``fold`` is ``(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
+    prev_num_accepted_tokens)`` or None. ``config`` overrides ``(BK, BV, num_warps)``
+    (benchmarks only: bit identity with commit holds for the default, shared configuration).
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -156,13 +184,22 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
         snap, snap_stride = snapshot_indices, snapshot_indices.stride(0)
     else:
         snap, snap_stride = src_indices, 1
+    if fold is not None:
+        pru, prk, prd, pstart, pn = fold
+        TP = pru.shape[0]
+        fold_strides = (*pru.stride(), *prk.stride(), *prd.stride(), pstart.stride(0), pn.stride(0))
+    else:  # dummies of the same kinds as the real ones (one specialization)
+        pru, prk, prd, pstart, pn, TP = ru, rk, rd, src_indices, src_indices, 0
+        fold_strides = (HV * V, V, 1, H * K, K, 1, HV, 1, 1, 1)
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_window_kernel[grid](
         q, k, v, g, beta, state, src_indices, query_start_loc, snap, out, ru, rk, rd,
-        float(scale), T, state.shape[0], int(record is not None), int(snapshot_indices is not None),
+        pru, prk, prd, pstart, pn,
+        float(scale), T, state.shape[0], TP, int(record is not None), int(snapshot_indices is not None),
+        int(fold is not None),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
-        *out.stride(), *rec_strides,
+        *out.stride(), *rec_strides, *fold_strides,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
         USE_PTX=use_ptx(), num_warps=num_warps,
     )

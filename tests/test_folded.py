@@ -1,0 +1,113 @@
+"""gdn_folded_verify: the previous step's commit folded into this step's verify (performance
+issue, item 4). Bit-identical to gdn_commit followed by gdn_verify."""
+
+import pytest
+import torch
+
+from ssm_spec import ops
+from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
+
+NAN = float("nan")
+W, HV, H, K, V, S = 4, 4, 2, 16, 32, 10
+
+
+def _steps(device, dtype, lengths, srcs, counts, seed=0):
+    """A previous verify, then the next step both ways. Returns (separate, folded) as
+    ``(pool, out, record)`` each, plus the live token mask of the next step."""
+    qsl = qsl_from_lengths(lengths, device)
+    src = i32(srcs, device)
+    pool = random_pool(S, HV, K, V, device, dtype=dtype, gen=torch.Generator().manual_seed(seed))
+    used = [s for s in srcs if s >= 0]
+    free = [s for s in range(S) if s not in used]
+    pool[free] = NAN
+    T = int(qsl[-1])
+    _, prev = ops.gdn_verify(*gdn_inputs(T, H, HV, K, V, device).args(), pool, src, qsl)
+    nxt = gdn_inputs(T, H, HV, K, V, device, gen=torch.Generator().manual_seed(seed + 1))
+    n = i32(counts, device)
+    separate = pool.clone()
+    ops.gdn_commit(separate, prev, qsl, src, n)
+    out_s, rec_s = ops.gdn_verify(*nxt.args(), separate, src, qsl)
+    folded = pool.clone()
+    out_f, rec_f = ops.gdn_folded_verify(*nxt.args(), folded, src, qsl, prev, qsl[:-1].clone(), n)
+    live = torch.zeros(T, dtype=torch.bool)
+    for b, s in enumerate(srcs):
+        if s >= 0:
+            live[int(qsl[b]):int(qsl[b + 1])] = True
+    return (separate, out_s, rec_s), (folded, out_f, rec_f), live.to(device), free
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trial", range(W + 1))
+def test_folded_equals_commit_then_verify_bit_for_bit(device, dtype, trial):
+    """Every count 0..W, a padding row, ragged windows; a bf16 pool rounds the folded state
+    exactly as the separate path's store and reload."""
+    lengths, srcs = [W, 2, 0, W, 3], [3, 0, -1, 7, 5]
+    counts = [min(trial, n) for n in lengths]
+    counts[1] = (trial + 1) % 3
+    (s_pool, s_out, s_rec), (f_pool, f_out, f_rec), live, free = _steps(device, dtype, lengths, srcs, counts)
+    assert same_bits(f_pool, s_pool)
+    assert same_bits(f_pool[free], s_pool[free]) and f_pool[free].isnan().all()  # untouched
+    assert same_bits(f_out[live], s_out[live])
+    for a, b in zip(f_rec, s_rec):
+        assert same_bits(a[live], b[live])
+
+
+def test_zero_counts_leave_the_pool_untouched(device):
+    (s_pool, _, _), (f_pool, _, _), _, _ = _steps(device, torch.float32, [W, W], [1, 2], [0, 0], seed=3)
+    before = random_pool(S, HV, K, V, device, gen=torch.Generator().manual_seed(3))
+    assert same_bits(f_pool[[1, 2]], before[[1, 2]]) and same_bits(f_pool, s_pool)
+
+
+def _args(device):
+    qsl = qsl_from_lengths([W, W], device)
+    src = i32([1, 2], device)
+    pool = random_pool(S, HV, K, V, device)
+    inp = gdn_inputs(2 * W, H, HV, K, V, device)
+    _, prev = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    return inp, pool, src, qsl, prev
+
+
+@pytest.mark.parametrize("case", ["start_past_end", "negative_count", "shared_slot", "overlap", "prev_shape",
+                                  "slot_range"])
+def test_malformed_raises_and_changes_nothing(device, case):
+    inp, pool, src, qsl, prev = _args(device)
+    start, n = qsl[:-1].clone(), i32([2, 3], device)
+    kw = {}
+    if case == "start_past_end":
+        start = i32([0, 2 * W - 1], device)
+    elif case == "negative_count":
+        n = i32([-1, 0], device)
+    elif case == "shared_slot":
+        src = i32([2, 2], device)
+    elif case == "overlap":
+        kw["record"] = prev
+    elif case == "prev_shape":
+        prev = ops.ReplayRecord(prev.u[:, :1], prev.k, prev.decay)
+    elif case == "slot_range":
+        src = i32([1, S], device)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="gdn_folded_verify"):
+        ops.gdn_folded_verify(*inp.args(), pool, src, qsl, prev, start, n, **kw)
+    assert same_bits(pool, before)
+
+
+def test_opcheck(device):
+    inp, pool, src, qsl, prev = _args(device)
+    T = inp.q.shape[0]
+    out = torch.empty(T, HV, V, device=device)
+    rec = [torch.empty(T, HV, V, device=device), torch.empty(T, H, K, device=device), torch.empty(T, HV, device=device)]
+    torch.library.opcheck(torch.ops.ssm_spec.gdn_folded_verify.default,
+                          (*inp.args(), pool, src, qsl, out, *rec, *prev, qsl[:-1].clone(), i32([2, 3], device),
+                           K**-0.5, True))
+
+
+def test_compile_fullgraph_equals_eager(device):
+    inp, pool, src, qsl, prev = _args(device)
+    n = i32([3, 1], device)
+    start = qsl[:-1].clone()
+    eager_pool = pool.clone()
+    want, _ = ops.gdn_folded_verify(*inp.args(), eager_pool, src, qsl, prev, start, n)
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: ops.gdn_folded_verify(*a)[0], fullgraph=True)
+    got = f(*inp.args(), pool, src, qsl, prev, start, n)
+    assert same_bits(got, want) and same_bits(pool, eager_pool)
