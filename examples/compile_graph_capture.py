@@ -105,7 +105,7 @@ def main(argv=None) -> int:
             e = [t.clone() for t in runner.eager_step(B)]
             for (s, _), saved in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()), states):
                 s.copy_(saved)
-            runner.graphs[B].replay()
+            runner.replay(B)
             sync()
             same = torch.equal(e[0], runner.accepted_tokens[:B]) and torch.equal(e[1], runner.num_accepted_tokens[:B])
         eager_wall, eager_host = _time(eager_step, reps, sync)

@@ -61,7 +61,9 @@ class SpecDecodeGraphRunner:
             forward is capture-safe (static buffers, no host reads), e.g.
             :class:`graphs.stack.DecoderStack`.
         pool: the model's :class:`~ssm_spec.StatePool` (its ``max_tokens`` must hold the
-            largest bucket's ``B * W`` tokens).
+            largest bucket's ``B * W`` tokens). A folded pool (``StatePool(folded=True)``)
+            gets two graphs per bucket, one per record-buffer parity, replayed alternately;
+            rows it drops between steps must be flushed (``pool.flush``) before the next.
         num_draft_tokens: ``k``; every row's window is ``W = k + 1`` tokens.
         vocab_size: the logits' width (sizes ``draft_probs``).
         buckets: batch sizes to capture; those above ``pool.num_slots`` are dropped.
@@ -112,7 +114,7 @@ class SpecDecodeGraphRunner:
         # static outputs
         self.accepted_tokens = torch.full((bmax, W), pad_token, dtype=torch.int64, device=dev)
         self.num_accepted_tokens = torch.zeros(bmax, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, record parity)
         self.mempool = None
 
     # ------------------------------------------------------------------ the step body
@@ -171,10 +173,32 @@ class SpecDecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.mempool = torch.cuda.graph_pool_handle()
+        parity = self.pool.record_parity if self.pool.folded else 0
         for B in reversed(self.buckets):
-            self.graphs[B] = self._capture_one(B)
+            for p in self._parities():
+                if self.pool.folded:
+                    self.pool.set_record_parity(p)  # the step's commit swaps it while capturing
+                self.graphs[(B, p)] = self._capture_one(B)
+        if self.pool.folded:
+            self.pool.set_record_parity(parity)
         torch.cuda.synchronize(self.device)
         return self
+
+    def _parities(self) -> tuple[int, ...]:
+        """A folded pool double-buffers its records: one graph per buffer parity."""
+        return (0, 1) if self.pool.folded else (0,)
+
+    def graph_for(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The captured graph a step of ``bucket`` rows replays now (a folded pool: the one for
+        the current record parity)."""
+        return self.graphs[(bucket, self.pool.record_parity if self.pool.folded else 0)]
+
+    def replay(self, bucket: int) -> None:
+        """Replay ``bucket``'s graph on the static buffers as they are (a folded pool's record
+        buffers swap, as the step's commit would)."""
+        self.graph_for(bucket).replay()
+        if self.pool.folded:
+            self.pool.swap_records()
 
     def _capture_one(self, B: int) -> torch.cuda.CUDAGraph:
         graph = torch.cuda.CUDAGraph()
@@ -295,7 +319,7 @@ class SpecDecodeGraphRunner:
             if bucket > B:
                 self.draft_probs[B:bucket].fill_(1.0 / self.vocab_size)
         if self.capture_graphs:
-            self.graphs[bucket].replay()
+            self.replay(bucket)
         else:
             self._body(bucket)
         return self.accepted_tokens[:B], self.num_accepted_tokens[:B]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
@@ -36,6 +36,10 @@ for part in $PARTS; do
     bench-hf)
       python3 benchmarks/bench_hf_generate.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_hf.log"
       summary+=("bench hf: $OUT/bench_hf.log")
+      ;;
+    bench-step)  # captured step: RecoverSSM vs snapshot vs folded, B 1..256, k 1 3 5
+      python3 benchmarks/bench_step.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_step.log"
+      summary+=("bench step: $OUT/bench_step.log")
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64
       python3 examples/compile_graph_capture.py --json "$OUT/graphs_step.json" 2>&1 | tee "$OUT/graphs_step.log"

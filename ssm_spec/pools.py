@@ -42,6 +42,7 @@ class _Group:
     members: list = field(default_factory=list)
     state: torch.Tensor | None = None
     records: tuple | None = None
+    prev_records: tuple | None = None
 
 
 class StatePool:
@@ -63,6 +64,13 @@ class StatePool:
             and benchmarks compare both on one model): verify writes the state after every
             window token into a per-token scratch slot (``num_slots + t``, plus one dummy
             slot), and :func:`ssm_spec.commit` copies the accepted one back.
+        folded: the folded commit (GDN states): :func:`ssm_spec.commit` only notes each row's
+            accepted count, and the next step's verify commits it on the way (one state read
+            and one write per step, ``gdn_folded_verify``); the GDN record buffers are
+            double-buffered. Every slot with a pending window must be verified by the next
+            step or flushed first (:meth:`flush`, e.g. when its request finishes or is
+            preempted, or before reading its state); :meth:`discard` drops pending windows.
+            Conv states commit immediately as usual. Not with ``snapshot`` or align mode.
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
@@ -74,7 +82,7 @@ class StatePool:
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
-                 conv_dtype=None, device=None, snapshot: bool = False):
+                 conv_dtype=None, device=None, snapshot: bool = False, folded: bool = False):
         if num_slots < 1 or max_tokens < 1:
             raise ValueError(f"StatePool: num_slots={num_slots}, max_tokens={max_tokens}; expected >= 1")
         if dtype not in (torch.float32, torch.bfloat16):
@@ -84,6 +92,9 @@ class StatePool:
         self.num_slots = int(num_slots)
         self.max_tokens = int(max_tokens)
         self.snapshot = bool(snapshot)
+        self.folded = bool(folded)
+        if self.snapshot and self.folded:
+            raise ValueError("StatePool: snapshot and folded are two different protocols; choose one")
         self.dtype = dtype
         self.conv_dtype = conv_dtype or dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -105,10 +116,19 @@ class StatePool:
             group.records = ReplayRecord(torch.zeros((nl, T, hv, v), device=dev),
                                          torch.zeros((nl, T, h, k), device=dev),
                                          torch.zeros((nl, T, hv), device=dev))
+            if self.folded:  # the other half of the double buffer
+                group.prev_records = ReplayRecord(*(torch.zeros_like(r) for r in group.records))
         for spec, group in self._conv.items():
             nl = len(group.members)
             group.state = torch.zeros((nl, S, spec.state_len, spec.channels), dtype=self.conv_dtype, device=dev)
             group.records = torch.zeros((nl, T, spec.channels), device=dev)
+        # folded mode: per slot, where its pending window starts in the previous step's records
+        # and how many of its tokens to commit (entry num_slots: a sink for padding rows)
+        self.pending_start = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=dev)
+        self.pending_count = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=dev)
+        self._pending_host: set[int] | None = set()  # host mirror while commits validate
+        self._plan: tuple | None = None
+        self._parity = 0
 
     # ------------------------------------------------------------------ lookup
     def _locate(self, layer, kind):
@@ -127,6 +147,11 @@ class StatePool:
         """Views ``[num_tokens, ...]`` of ``layer``'s record buffers."""
         group, i = self._locate(layer, "gdn")
         return ReplayRecord(*(r[i, :num_tokens] for r in group.records))
+
+    def gdn_prev_record(self, layer) -> ReplayRecord:
+        """Folded mode: views ``[max_tokens, ...]`` of ``layer``'s previous-step records."""
+        group, i = self._locate(layer, "gdn")
+        return ReplayRecord(*(r[i] for r in group.prev_records))
 
     def conv_state(self, layer) -> torch.Tensor:
         """``[S, Lc, C]`` view of ``layer``'s conv states."""
@@ -167,3 +192,133 @@ class StatePool:
         index = slots.to(device=self.device, dtype=torch.long)
         for group in (*self._gdn.values(), *self._conv.values()):
             group.state.index_fill_(1, index, 0)
+
+    # ------------------------------------------------------------------ folded mode
+    def swap_records(self) -> None:
+        """Folded mode: this step's records become the previous step's (host-side pointer swap;
+        :func:`ssm_spec.commit` calls it)."""
+        for g in self._gdn.values():
+            g.records, g.prev_records = g.prev_records, g.records
+        self._parity ^= 1
+
+    @property
+    def record_parity(self) -> int:
+        """Folded mode: which half of the double buffer this step's records go to (0 or 1); a
+        captured step holds one parity, so graphs capture one step per parity."""
+        return self._parity
+
+    def set_record_parity(self, parity: int) -> None:
+        if parity != self._parity:
+            self.swap_records()
+
+    def fold_plan(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's
+        verify rows (0 for padding and prefill rows), computed on the device once per step.
+
+        Raises:
+            ValueError: (host mirror known, i.e. the last commits validated) a prefill row on a
+                slot with a pending window, which must be flushed first.
+        """
+        if self._plan is not None and self._plan[0] is metadata:
+            return self._plan[1]
+        if self._pending_host:
+            for row in metadata.prefill_rows:
+                for slot in (row.src, row.dst):
+                    if slot in self._pending_host:
+                        raise ValueError(f"StatePool: slot {slot} has a pending window (folded mode) and a prefill "
+                                         f"row of this step writes it; flush it first (pool.flush([{slot}]))")
+        idx = self._sink(metadata.verify_indices)
+        plan = (self.pending_start[idx], self.pending_count[idx])
+        self._plan = (metadata, plan)
+        return plan
+
+    def _sink(self, slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.to(device=self.device, dtype=torch.long)
+        return torch.where(slots >= 0, slots, torch.full_like(slots, self.num_slots)).clamp_max(self.num_slots)
+
+    def note_pending(self, metadata, num_accepted_tokens: torch.Tensor, host_counts=None) -> None:
+        """Folded mode (called by :func:`ssm_spec.commit`): each verify row's window becomes its
+        slot's pending window with its accepted count, then the record buffers swap. No host
+        sync; ``host_counts`` (the validated counts) keeps the host mirror."""
+        idx = self._sink(metadata.verify_indices)
+        self.pending_start.index_copy_(0, idx, metadata.verify_query_start_loc[:-1].to(torch.int32))
+        self.pending_count.index_copy_(0, idx, num_accepted_tokens.to(torch.int32))
+        self.pending_count[self.num_slots:].zero_()  # the sink holds nothing
+        if host_counts is None or self._pending_host is None:
+            self._pending_host = None  # unknown from here on: no host-side checks
+        else:
+            slots, counts = host_counts
+            self._pending_host = {s for s, n in zip(slots, counts) if s >= 0 and n > 0}
+        self._plan = None
+        self.swap_records()
+
+    def check_pending_verified(self, verify_slots: list[int]) -> None:
+        """Folded mode, commit-time check (host mirror known): every slot pending from the last
+        step was verified in this one (its window got folded); otherwise its records would be
+        overwritten by the next step.
+
+        Raises:
+            ValueError: a pending slot this step did not verify (nothing written; flush it, then
+                commit again).
+        """
+        if self._pending_host:
+            missing = sorted(self._pending_host - set(verify_slots))
+            if missing:
+                raise ValueError(f"commit: slots {missing} have pending windows (folded mode) that this step "
+                                 f"did not verify; flush them first (pool.flush({missing})), then commit")
+
+    @torch.no_grad()
+    def flush(self, slots=None) -> None:
+        """Folded mode: commit the pending windows of ``slots`` (default: every slot) into their
+        states now, one launch per GDN layer. Call it between a commit and the next step's
+        forward (or, for slots the current step did not verify, before its commit), e.g. for
+        requests that finish or are preempted, or before reading a state.
+
+        Args:
+            slots: slot numbers (list or int tensor); ``None``: all.
+
+        Raises:
+            ValueError: not a folded pool, or a slot out of range.
+        """
+        from .ops import _eager
+
+        if not self.folded:
+            raise ValueError("StatePool.flush: only a folded pool (StatePool(folded=True)) has pending windows")
+        if slots is None:
+            slots = torch.arange(self.num_slots, device=self.device)
+        slots = torch.as_tensor(slots, device=self.device).to(torch.int32).reshape(-1)
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
+            raise ValueError(f"StatePool.flush: slots: got {slots.tolist()}; expected 0..{self.num_slots - 1}")
+        B = slots.numel()
+        if B == 0:
+            return
+        idx = slots.long()
+        start, count = self.pending_start[idx], self.pending_count[idx]
+        qsl = torch.zeros(B + 1, dtype=torch.int32, device=self.device)  # empty windows: fold only
+        for spec, g in self._gdn.items():
+            H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+            empty = torch.empty(0, device=self.device)
+            q = empty.reshape(0, H, K)
+            v = empty.reshape(0, HV, V)
+            for layer in range(len(g.members)):
+                prev = [r[layer] for r in g.prev_records]
+                _eager.call("gdn_folded_verify", q, q, v, empty.reshape(0, HV), empty.reshape(0, HV), g.state[layer],
+                            slots, qsl, v, v.clone(), q.clone(), empty.reshape(0, HV), *prev, start, count,
+                            K ** -0.5, True)
+        self.pending_count.index_fill_(0, idx, 0)
+        if self._pending_host is not None:
+            self._pending_host -= set(slots.tolist())
+
+    def discard(self, slots=None) -> None:
+        """Folded mode: drop the pending windows of ``slots`` (default: all) without committing
+        them (a finished request whose state is not kept). No host sync."""
+        if slots is None:
+            self.pending_count.zero_()
+            if self._pending_host is not None:
+                self._pending_host = set()
+            return
+        self.pending_count.index_fill_(0, torch.as_tensor(slots, device=self.device).long().reshape(-1), 0)
+        if isinstance(slots, torch.Tensor):
+            self._pending_host = None  # not read back: the mirror is unknown from here on
+        elif self._pending_host is not None:
+            self._pending_host -= {int(s) for s in slots}

@@ -68,7 +68,9 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     """Commit the accepted tokens of every verify row into every layer's states.
 
     One grouped ``gdn_commit`` launch per GDN state group and one ``short_conv_commit`` per
-    conv shape group; prefill and padding rows take no part.
+    conv shape group; prefill and padding rows take no part. With a folded pool
+    (``StatePool(folded=True)``) the GDN states are not written here: each row's count is
+    noted on the device and the next step's verify commits it (see :class:`~ssm_spec.StatePool`).
 
     Args:
         pool: the :class:`~ssm_spec.StatePool` the step's layers verified against.
@@ -79,14 +81,22 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
 
     Raises:
         ValueError: with validation on, a ``num_accepted_tokens`` not of shape ``[B]`` or a count
-            outside its window; snapshot mode with align mode. Nothing is written.
+            outside its window; snapshot mode with align mode; a folded pool with align mode or
+            with a slot whose pending window this step did not verify. Nothing is written.
     """
+    host_counts = None
     if should_validate(validate, "commit"):
         if num_accepted_tokens.shape != (metadata.num_rows,):
             raise ValueError(f"commit: num_accepted_tokens: got shape {list(num_accepted_tokens.shape)}; "
                              f"expected [{metadata.num_rows}]")
-        count_values("commit", num_accepted_tokens, window_bounds("commit", metadata.query_start_loc,
-                                                                  metadata.num_tokens))
+        counts = count_values("commit", num_accepted_tokens, window_bounds("commit", metadata.query_start_loc,
+                                                                           metadata.num_tokens))
+        if pool.folded and metadata.has_verify:
+            if metadata.align:
+                raise ValueError("commit: a folded pool (StatePool(folded=True)) supports no align mode")
+            slots = metadata.verify_indices.tolist()
+            pool.check_pending_verified(slots)
+            host_counts = (slots, counts)
     if not metadata.has_verify:
         return
     if pool.snapshot:
@@ -96,7 +106,10 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     n = num_accepted_tokens.to(torch.int32)
     T = metadata.verify_stop - metadata.verify_start  # records cover the verify span only
     qsl = metadata.verify_query_start_loc
-    for state, records in pool.gdn_groups.values():
-        _eager.call("gdn_commit", state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
+    if pool.folded:  # the next step's verify commits the GDN states (gdn_folded_verify)
+        pool.note_pending(metadata, n, host_counts)
+    else:
+        for state, records in pool.gdn_groups.values():
+            _eager.call("gdn_commit", state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
     for state, rec_x in pool.conv_groups.values():
         _eager.call("short_conv_commit", state, rec_x[:, :T], qsl, src, n, dst, bidx, boff)

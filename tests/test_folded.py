@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ssm_spec import ops
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
+from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, randomize_, run_stack, same_bits
 
 NAN = float("nan")
 W, HV, H, K, V, S = 4, 4, 2, 16, 32, 10
@@ -111,3 +111,86 @@ def test_compile_fullgraph_equals_eager(device):
     f = torch.compile(lambda *a: ops.gdn_folded_verify(*a)[0], fullgraph=True)
     got = f(*inp.args(), pool, src, qsl, prev, start, n)
     assert same_bits(got, want) and same_bits(pool, eager_pool)
+
+
+# ----------------------------------------------------------------------------- the pool's folded mode
+
+
+def _layers(device, seed=0):
+    from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv
+    torch.manual_seed(seed)
+    layers = [RecoverGatedDeltaNet(32, 2, 4, 16, 16, device=device), RecoverShortConv(32, 3, dilation=2, device=device),
+              RecoverGatedDeltaNet(32, 2, 4, 16, 16, device=device)]
+    return randomize_(layers, 0.3)
+
+
+def _pair(device, dtype=torch.float32):
+    """A plain pool and a folded one for the same layers, both after the same prefill."""
+    from ssm_spec import RecoverSSMMetadata, StatePool
+    layers = _layers(device)
+    pools = [StatePool(layers, num_slots=6, max_tokens=16, dtype=dtype, device=device, folded=f) for f in (False, True)]
+    x = torch.randn(20, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    md = RecoverSSMMetadata.build([8, 12], [True, True], [0, 0], [4, 1], num_slots=6, device=device)
+    for pool in pools:
+        run_stack(layers, x, md, pool)
+    return layers, pools
+
+
+def _gdn_states(pool):
+    return [s.clone() for s, _ in pool.gdn_groups.values()] + [s.clone() for s, _ in pool.conv_groups.values()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_pool_decodes_like_the_separate_commit(device, dtype):
+    """30 steps with random windows and counts (0..W, padding rows, reordered rows): outputs
+    equal the separate commit's bit for bit every step, and after a flush so do the states."""
+    from ssm_spec import NULL_SLOT, RecoverSSMMetadata, commit
+    layers, (plain, folded) = _pair(device, dtype)
+    gen = torch.Generator().manual_seed(2)
+    done = {4: 8, 1: 12}
+    for step in range(30):
+        order = [4, 1] if step % 3 else [1, NULL_SLOT, 4]  # rows reorder; a padding row
+        lens = [0 if s < 0 else int(torch.randint(1, W + 1, (), generator=gen)) for s in order]
+        md = RecoverSSMMetadata.build(lens, [False] * len(order), [done.get(s, 0) for s in order], order,
+                                      num_slots=6, device=device)
+        x = torch.randn(sum(lens), 32, generator=gen).to(device)
+        y_plain = run_stack(layers, x, md, plain)
+        y_fold = run_stack(layers, x, md, folded)
+        assert same_bits(y_fold, y_plain), step
+        n = [int(torch.randint(0, L + 1, (), generator=gen)) for L in lens]
+        for pool in (plain, folded):
+            commit(pool, md, i32(n, device))
+        for s, c in zip(order, n):
+            if s >= 0:
+                done[s] += c
+    folded.flush()
+    for a, b in zip(_gdn_states(folded), _gdn_states(plain)):
+        assert same_bits(a, b)
+
+
+def test_folded_pool_requires_a_flush_for_slots_a_step_skips(device):
+    from ssm_spec import RecoverSSMMetadata, commit
+    layers, (_, folded) = _pair(device)
+    md = RecoverSSMMetadata.build([3, 2], [False, False], [8, 12], [4, 1], num_slots=6, device=device)
+    run_stack(layers, torch.randn(5, 32).to(device), md, folded)
+    commit(folded, md, i32([2, 1], device))  # slots 4 and 1 now pending
+    md1 = RecoverSSMMetadata.build([2], [False], [10], [4], num_slots=6, device=device)
+    run_stack(layers, torch.randn(2, 32).to(device), md1, folded)  # slot 1 skipped
+    with pytest.raises(ValueError, match=r"slots \[1\] have pending windows"):
+        commit(folded, md1, i32([1], device))
+    folded.flush([1])
+    commit(folded, md1, i32([1], device))
+    prefill = RecoverSSMMetadata.build([4], [True], [11], [4], num_slots=6, device=device)
+    with pytest.raises(ValueError, match="pending window"):
+        run_stack(layers, torch.randn(4, 32).to(device), prefill, folded)
+    folded.flush([4])
+    run_stack(layers, torch.randn(4, 32).to(device), prefill, folded)
+
+
+def test_folded_pool_rejects_snapshot_and_flush_on_plain_pools(device):
+    from ssm_spec import StatePool
+    layers = _layers(device)
+    with pytest.raises(ValueError, match="choose one"):
+        StatePool(layers, num_slots=2, max_tokens=4, device=device, snapshot=True, folded=True)
+    with pytest.raises(ValueError, match="folded pool"):
+        StatePool(layers, num_slots=2, max_tokens=4, device=device).flush()

@@ -225,6 +225,36 @@ def test_snapshot_mode_gives_the_same_tokens(device):
         last = a.gather(1, (n.long() - 1)[:, None])[:, 0]
 
 
+def test_folded_pool_runner_equals_the_separate_commit(device):
+    """The runner over a folded pool (two graphs per bucket on CUDA, one per record parity)
+    gives the tokens of the runner over a plain pool every step, and after a flush the same
+    states, bit for bit (same shapes, same kernels)."""
+    model = _stack(device, seed=11)
+    pool = _pool(model, device)
+    slots = [6, 0, 9]
+    last, nct = _prefill(model, pool, slots, [5, 13, 8], seed=11)
+    twin, _ = _twin(model, pool)
+    fpool = StatePool(twin.recurrent_layers(), num_slots=SLOTS, max_tokens=SLOTS * W, device=device, folded=True)
+    for a, b in zip(_recurrent(fpool), _recurrent(pool)):
+        a.copy_(b)
+    plain = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(1, 4))
+    folded = SpecDecodeGraphRunner(twin, fpool, K_DRAFTS, V, buckets=(1, 4))
+    gen = torch.Generator().manual_seed(4)
+    s = torch.tensor(slots, dtype=torch.int32, device=device)
+    for _ in range(25):
+        lens = torch.randint(1, W + 1, (3,), generator=gen, dtype=torch.int32).to(device)
+        window = torch.randint(0, V, (3, W), generator=gen).to(device)
+        window[:, 0] = last
+        a, n = (t.clone() for t in plain.step(window, lens, s, nct.to(device)))
+        b, m = folded.step(window, lens, s, nct.to(device))
+        assert torch.equal(a, b) and torch.equal(n, m)
+        nct = nct + n.cpu()
+        last = a.gather(1, (n.long() - 1)[:, None])[:, 0]
+    fpool.flush()
+    for x, y in zip(_recurrent(fpool), _recurrent(pool)):
+        assert same_bits(x, y)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
@@ -403,7 +433,7 @@ def test_replay_equals_eager_on_the_padded_bucket_bit_for_bit(batch):
     after_eager = [t.clone() for t in _states(model, pool)]
     for t, s in zip(_states(model, pool), start):
         t.copy_(s)
-    runner.graphs[bucket].replay()
+    runner.replay(bucket)
     torch.cuda.synchronize()
     assert torch.equal(runner.accepted_tokens[:bucket], eager[0])
     assert torch.equal(runner.num_accepted_tokens[:bucket], eager[1])
