@@ -1,42 +1,60 @@
-"""Benchmark the GDN ops against the device's copy bandwidth.
+"""Benchmark the GDN ops against the device's copy bandwidth and fp32 FMA rate.
 
-One run measures, for every batch size B (B rows, each a uniform window of W = k + 1 tokens):
+One run measures two ceilings:
 
-* the device-to-device copy bandwidth (a large ``dst.copy_(src)``, bytes = read + write):
-  the ceiling every other number is compared to;
+* the device-to-device copy bandwidth (a large ``dst.copy_(src)``, bytes = read + write);
+* the fp32 FMA rate (a plain kernel running independent chains of FMAs on a large tensor:
+  Triton on CUDA, ``torch.addcmul`` on CPU), in fp32 ops/s (one FMA = one op = 2 FLOPs);
+
+and, for every draft length k in ``--k`` (window W = k + 1) and every batch size B (B rows,
+each a uniform window of W tokens):
+
 * ``torch.ops.ssm_spec.gdn_verify``: the RecoverSSM verify (reads the checkpoint, writes the
   layer output and the fp32 replay record, no state written);
 * ``torch.ops.ssm_spec.gdn_commit`` with every token accepted (n = W) and with n = 1, in place
   (dst = src);
 * ``torch.ops.ssm_spec.gdn_snapshot_verify``: the native path, writing the state after each
   of the W tokens into its own slot;
+* ``torch.ops.ssm_spec.gdn_folded_verify``: the previous window (W tokens, all accepted) folded
+  into the checkpoint, stored once, then this window verified; its records and the previous
+  ones are different copies (double-buffered);
+* an outside peer, fla-core's ``fused_recurrent_gated_delta_rule`` (CUDA only, imported
+  lazily, skipped with a note when missing) over the same B rows x W tokens from the same
+  states, writing the output and an fp32 final state: ``fla`` gathers the rows' states by
+  index (``index_select``, timed; or passes ``ssm_state_indices`` where the installed version
+  takes them) and ``fla_contig`` hands it the rows' slots as one contiguous block (its kernel
+  alone);
 
-and reports median times, the bytes each op must move (``BYTES_MODEL``), the achieved
-bandwidth as a fraction of the copy bandwidth, and the ratios
-``(verify + commit) / snapshot`` for n = W and n = 1.
+and reports median times, the bytes each op must move (``BYTES_MODEL``) and the fp32 ops it
+must do (``OPS_MODEL``), the fraction of its roofline floor ``max(bytes / copy bandwidth,
+ops / FMA rate) / time``, the achieved bandwidth as a fraction of the copy bandwidth, and the
+ratios ``(verify + commit) / snapshot`` (n = W and n = 1) and ``folded / snapshot``.
 
 The ops are called through their ``torch.ops`` forms with preallocated buffers, so no
 allocation or host-side value validation is timed. State pages are kept out of the L2 cache:
 the pool holds at least ``--pool-gib`` GiB and ``--min-sets`` times what the largest batch
-touches, and successive calls rotate over disjoint index sets (plus ``do_bench`` flushes L2
-before every timed call). On CUDA, by default (``--timing graph``), each measurement captures
-a CUDA graph of up to ``--graph-calls`` calls over distinct index sets and times its replay
-with ``triton.testing.do_bench`` (median), dividing by the number of calls: this removes the
-Python launch overhead of small batches, as in the engine's full-graph decode step.
-``--timing eager`` times single eager calls instead.
+(at the largest W) touches, and successive calls rotate over disjoint index sets (plus
+``do_bench`` flushes L2 before every timed call). On CUDA, by default (``--timing graph``),
+each measurement captures a CUDA graph of up to ``--graph-calls`` calls over distinct index
+sets and times its replay with ``triton.testing.do_bench`` (median), dividing by the number of
+calls: this removes the Python launch overhead of small batches, as in the engine's
+full-graph decode step. ``--timing eager`` times single eager calls instead.
 
 ``--device cpu`` is a smoke test of this script only (tiny sizes, ``time.perf_counter``).
 
 Usage::
 
-    python benchmarks/bench_ops.py                          # H200, fp32 state
+    python benchmarks/bench_ops.py                          # H200, fp32 state, k = 1,2,3,5,7
     python benchmarks/bench_ops.py --state-dtype bfloat16
+    python benchmarks/bench_ops.py --k 3 --batches 1,16,256
     python benchmarks/bench_ops.py --device cpu             # smoke test of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import inspect
 import itertools
 import math
 import platform
@@ -53,9 +71,22 @@ from _results import HelpFormatter, write_results
 
 import ssm_spec  # noqa: F401  (registers torch.ops.ssm_spec.*)
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the CPU smoke test still runs (torch FMA loop)
+    triton = tl = None
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot")
+KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot", "folded")
+PEER_KERNELS = ("fla", "fla_contig")
+LABELS = {
+    "verify": "verify", "commit_nW": "commit n=W", "commit_n1": "commit n=1",
+    "snapshot": "snapshot (native)", "folded": "folded verify (n_prev=W)",
+    "fla": "fla fused_recurrent", "fla_contig": "fla fused_recurrent, contiguous h0",
+}
 GIB = 1 << 30
+FMA_CHAINS = 4  # independent FMA chains per element in the FMA kernel
 
 #: Minimum bytes each op must move (DRAM traffic of an ideal kernel), per layer and step.
 #: Unique bytes are counted once (a key head shared by several value heads is read once);
@@ -64,6 +95,7 @@ BYTES_MODEL = {
     "notation": "B rows, W = k + 1 tokens per row, T = B * W; es = state element size, "
                 "ea = activation element size (q, k, v, beta, out); records and g are fp32",
     "slot": "HV * K * V * es  (one state slot)",
+    "slot32": "HV * K * V * 4  (one fp32 state: fla's final state)",
     "act_in": "T * ((2*H*K + HV*V) * ea + HV * 4 + HV * ea)  (q, k, v; g fp32; beta)",
     "out": "T * HV * V * ea",
     "record_per_token": "(HV*V + H*K + HV) * 4  (u, k_hat, decay; fp32)",
@@ -73,7 +105,32 @@ BYTES_MODEL = {
                  "records per row)",
     "snapshot": "B * slot + T * slot + act_in + out  (read src; write W slots per row; "
                 "write out)",
+    "folded": "B * slot + B * slot + act_in + out + T * record_per_token + B * W * "
+              "record_per_token  (read the checkpoint, store the committed state once; write "
+              "out and the record; read the previous window's W records per row)",
+    "fla": "gather: 2 * B * slot + B * slot + act_in + out + B * slot32  (index_select of the "
+           "rows' states: read + write; fla reads them, writes out and an fp32 final state); "
+           "indexed (an fla taking ssm_state_indices): B * slot + act_in + out + B * slot",
+    "fla_contig": "B * slot + act_in + out + B * slot32  (fla on the rows' slots as one "
+                  "contiguous block: no gather)",
     "copy": "2 * nbytes  (read + write)",
+}
+
+#: fp32 arithmetic each op must do, counted per state element (E = HV * K * V per row) as
+#: instructions: an FMA or a multiply is one op (the FMA kernel's rate is in the same unit;
+#: FLOP/s = 2 * ops/s for FMAs).
+OPS_MODEL = {
+    "unit": "fp32 ops (one FMA or multiply = 1) per state element; E = HV * K * V",
+    "verify": "4 * T * E  (per token: decay, correction reduction, rank-1 update, output "
+              "reduction)",
+    "commit(n)": "2 * B * n * E  (per replayed token: decay and rank-1 update)",
+    "snapshot": "4 * T * E",
+    "folded": "2 * B * W * E + 4 * T * E  (fold of the W previous tokens, then the verify)",
+    "fla": "4 * T * E",
+    "fla_contig": "4 * T * E",
+    "fma": f"n * iters * {FMA_CHAINS} FMAs on n fp32 elements (CPU: n * iters addcmul ops)",
+    "roofline": "floor_us = max(bytes / copy bandwidth, ops / FMA rate); "
+                "frac_roofline = floor_us / time_us; bound: which term sets the floor",
 }
 
 
@@ -94,20 +151,46 @@ class Shape:
     def slot_bytes(self) -> int:
         return self.HV * self.K * self.V * self.state_dtype.itemsize
 
-    def bytes_moved(self, B: int) -> dict[str, int]:
+    @property
+    def record_bytes_per_token(self) -> int:
+        return (self.HV * self.V + self.H * self.K + self.HV) * 4
+
+    def bytes_moved(self, B: int, peer_mode: str | None = None) -> dict[str, int]:
         """``BYTES_MODEL`` evaluated for ``B`` rows of ``W`` tokens."""
         H, HV, K, V, W = self.H, self.HV, self.K, self.V, self.W
         ea = self.act_dtype.itemsize
         T = B * W
         slot = self.slot_bytes
+        slot32 = HV * K * V * 4
         act_in = T * ((2 * H * K + HV * V) * ea + HV * 4 + HV * ea)
         out = T * HV * V * ea
-        rec_tok = (HV * V + H * K + HV) * 4
-        return {
+        rec_tok = self.record_bytes_per_token
+        moved = {
             "verify": B * slot + act_in + out + T * rec_tok,
             "commit_nW": 2 * B * slot + B * W * rec_tok,
             "commit_n1": 2 * B * slot + B * 1 * rec_tok,
             "snapshot": B * slot + T * slot + act_in + out,
+            "folded": 2 * B * slot + act_in + out + T * rec_tok + B * W * rec_tok,
+            "fla_contig": B * slot + act_in + out + B * slot32,
+        }
+        if peer_mode == "indexed":
+            moved["fla"] = 2 * B * slot + act_in + out
+        else:
+            moved["fla"] = 2 * B * slot + B * slot + act_in + out + B * slot32
+        return moved
+
+    def ops(self, B: int) -> dict[str, int]:
+        """``OPS_MODEL`` evaluated for ``B`` rows of ``W`` tokens."""
+        E, W = self.HV * self.K * self.V, self.W
+        T = B * W
+        return {
+            "verify": 4 * T * E,
+            "commit_nW": 2 * B * W * E,
+            "commit_n1": 2 * B * 1 * E,
+            "snapshot": 4 * T * E,
+            "folded": 2 * B * W * E + 4 * T * E,
+            "fla": 4 * T * E,
+            "fla_contig": 4 * T * E,
         }
 
 
@@ -120,20 +203,59 @@ def aligned_rows(values: torch.Tensor) -> list[torch.Tensor]:
     return [padded[i, :m] for i in range(n)]
 
 
+@dataclass
+class Peer:
+    """fla-core's ``fused_recurrent_gated_delta_rule`` and how it is called: ``mode``
+    ``"indexed"`` (the installed version takes ``ssm_state_indices``: states read from and
+    written to the pool by index) or ``"gather"`` (``initial_state`` gathered by
+    ``index_select``; fp32 final state returned)."""
+
+    fn: object
+    mode: str
+    version: str | None
+    params: tuple[str, ...]
+
+
+def load_peer(device: torch.device, enabled: bool) -> tuple[Peer | None, str]:
+    """The fla-core peer, or None and why not. Imported lazily: fla-core is the `cuda` extra,
+    never installed on CPU machines."""
+    if not enabled:
+        return None, "fla-core peer disabled (--no-peer)"
+    if device.type != "cuda":
+        return None, "fla-core peer skipped: its Triton kernels need CUDA"
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fn
+    except Exception as exc:  # not installed, or broken against this torch/triton
+        return None, f"fla-core peer skipped: not importable ({type(exc).__name__}: {exc})"
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    params = tuple(inspect.signature(fn).parameters)
+    mode = "indexed" if "ssm_state_indices" in params else "gather"
+    return Peer(fn, mode, version, params), (
+        f"fla-core {version}: fused_recurrent_gated_delta_rule, initial states "
+        + ("by ssm_state_indices" if mode == "indexed" else "gathered by index_select (timed)"))
+
+
 class BatchWorkload:
-    """Buffers and the four op calls for one batch size.
+    """Buffers and the op calls for one batch size.
 
     Index set ``i`` owns the slot block ``[i * B * (W + 1), (i + 1) * B * (W + 1))`` of the
     pool: its first ``B`` slots are the rows' sources (checkpoints), the next ``T = B * W``
     the snapshot slots of token ``t`` (never any row's source). Activations, outputs and
-    records come in ``n_act`` copies; call ``i`` uses set ``i`` and copy ``i % n_act``.
+    records come in ``n_act`` copies; call ``i`` uses set ``i`` and copy ``i % n_act``. The
+    folded verify writes record copy ``j`` and replays copy ``j + 1`` (mod ``n_act``; a
+    separate copy when ``n_act == 1``) as the previous step's: double-buffered.
     """
 
-    def __init__(self, shape: Shape, pool: torch.Tensor, B: int, n_sets: int, n_act: int):
+    def __init__(self, shape: Shape, pool: torch.Tensor, B: int, n_sets: int, n_act: int,
+                 peer: Peer | None = None):
         H, HV, K, V, W = shape.H, shape.HV, shape.K, shape.V, shape.W
         dev, act = pool.device, shape.act_dtype
         T = B * W
         self.pool, self.n_sets, self.scale = pool, n_sets, K**-0.5
+        self.B, self.W, self.block = B, W, B * (W + 1)
         i32 = dict(dtype=torch.int32, device=dev)
 
         # q | k | v as strided views of one conv output [T, 2*H*K + HV*V].
@@ -153,17 +275,36 @@ class BatchWorkload:
         self._keep = (conv, g, beta, out, rec_u, rec_k, rec_d)
 
         self.qsl = torch.arange(B + 1, **i32) * W
-        base = torch.arange(n_sets, **i32)[:, None] * (B * (W + 1))
+        base = torch.arange(n_sets, **i32)[:, None] * self.block
         self.src = aligned_rows(base + torch.arange(B, **i32))           # [B] per set
         self.snap = aligned_rows(base + B + torch.arange(T, **i32))      # [T] per set
         self.n_all = torch.full((B,), W, **i32)
         self.n_one = torch.ones(B, **i32)
         self.no_bnd = torch.empty(B, 0, **i32)
+        self.prev_start = torch.arange(B, **i32) * W  # row b's previous window: tokens [bW, bW + W)
         self.n_act = n_act
 
-        # Real records for the commits: one verify per activation copy (also compiles).
+        # Real records for the commits and the fold: one verify per activation copy (also
+        # compiles), plus a separate previous-step copy when there is a single one.
         for j in range(n_act):
             self.verify(j)
+        if n_act == 1:
+            self.prev_record = tuple(torch.empty_like(r) for r in self.record[0])
+            torch.ops.ssm_spec.gdn_verify(*self.window[0], pool, self.src[0], self.qsl,
+                                          self.out[0], *self.prev_record, self.scale, True)
+
+        # The peer's inputs: contiguous [B, W, ...] copies of the same activations (fla's
+        # kernel assumes contiguous q, k, v; handing it the strided views would time a copy).
+        self.peer = peer
+        if peer is not None:
+            qf = q.contiguous().view(n_act, B, W, H, K)
+            kf = k.contiguous().view(n_act, B, W, H, K)
+            vf = v.contiguous().view(n_act, B, W, HV, V)
+            gf, bf = g.view(n_act, B, W, HV), beta.view(n_act, B, W, HV)
+            self.fla_in = [(qf[j], kf[j], vf[j], gf[j], bf[j]) for j in range(n_act)]
+            self.fla_flat = [tuple(x.flatten(0, 1).unsqueeze(0) for x in w) for w in self.fla_in]
+            self.qsl_long = self.qsl.to(torch.int64)
+            self._keep_peer = (qf, kf, vf)
 
     def verify(self, i: int) -> None:
         j = i % self.n_act
@@ -180,13 +321,62 @@ class BatchWorkload:
         torch.ops.ssm_spec.gdn_snapshot_verify(*self.window[j], self.pool, self.src[i], self.qsl,
                                                self.snap[i], self.out[j], self.scale, True)
 
+    def folded(self, i: int) -> None:
+        """Fold the previous window (all W tokens accepted, from the other record copy) into
+        the checkpoint, store it, verify this window into record copy ``j``."""
+        j = i % self.n_act
+        prev = self.record[(j + 1) % self.n_act] if self.n_act > 1 else self.prev_record
+        torch.ops.ssm_spec.gdn_folded_verify(*self.window[j], self.pool, self.src[i], self.qsl,
+                                             self.out[j], *self.record[j], *prev,
+                                             self.prev_start, self.n_all, self.scale, True)
+
+    def fla(self, i: int):
+        """fla-core over the same rows and window; states by index (see :class:`Peer`)."""
+        j, peer = i % self.n_act, self.peer
+        if peer.mode == "indexed":
+            q, k, v, g, beta = self.fla_flat[j]  # [1, T, ...] with cu_seqlens
+            kw = dict(initial_state=self.pool, ssm_state_indices=self.src[i],
+                      cu_seqlens=self.qsl_long)
+            if "inplace_final_state" in peer.params:
+                kw["inplace_final_state"] = True
+            else:
+                kw["output_final_state"] = True
+        else:
+            q, k, v, g, beta = self.fla_in[j]  # [B, W, ...]
+            kw = dict(initial_state=self.pool.index_select(0, self.src[i]),
+                      output_final_state=True)
+        return peer.fn(q=q, k=k, v=v, g=g, beta=beta, scale=self.scale,
+                       use_qk_l2norm_in_kernel=True, **kw)
+
+    def fla_contig(self, i: int):
+        """fla-core's kernel alone: set ``i``'s source slots are one contiguous pool block."""
+        j = i % self.n_act
+        q, k, v, g, beta = self.fla_in[j]
+        lo = i * self.block
+        return self.peer.fn(q=q, k=k, v=v, g=g, beta=beta, scale=self.scale,
+                            initial_state=self.pool[lo : lo + self.B], output_final_state=True,
+                            use_qk_l2norm_in_kernel=True)
+
+    def peer_rel_err(self) -> float:
+        """Relative error of the peer's output against verify's, from the same states."""
+        self.verify(0)
+        ours = self.out[0].float()
+        theirs = self.fla(0)[0].reshape(ours.shape).float()
+        return ((theirs - ours).norm() / ours.norm()).item()
+
     def calls(self) -> dict:
-        return {
+        calls = {
             "verify": self.verify,
             "commit_nW": lambda i: self.commit(i, self.n_all),
             "commit_n1": lambda i: self.commit(i, self.n_one),
             "snapshot": self.snapshot,
+            "folded": self.folded,
         }
+        if self.peer is not None:
+            calls["fla"] = self.fla
+            if self.peer.mode == "gather":
+                calls["fla_contig"] = self.fla_contig
+        return calls
 
 
 # ----------------------------------------------------------------------------- timing
@@ -208,7 +398,7 @@ class Timer:
         self.graph_calls, self.cpu_reps = graph_calls, cpu_reps
 
     def time_fn(self, fn) -> float:
-        """Median microseconds of ``fn()`` (no rotation: used for the copy)."""
+        """Median microseconds of ``fn()`` (no rotation: used for the copy and the FMAs)."""
         if self.device.type != "cuda":
             fn()
             times = []
@@ -262,6 +452,73 @@ def copy_bandwidth(timer: Timer, nbytes: int, device: torch.device) -> dict:
     return {"bytes": moved, "time_us": us, "gbps": moved / us / 1e3}
 
 
+if triton is not None:
+    @triton.jit
+    def fma_kernel(x_ptr, y_ptr, n, a, b, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+        """``FMA_CHAINS`` independent chains of ``ITERS`` fp32 FMAs per element (runtime ``a``,
+        ``b``: nothing folds); one load and one store per element."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x0 = tl.load(x_ptr + offs, mask=m, other=0.0)
+        x1 = x0 + 1.0
+        x2 = x0 + 2.0
+        x3 = x0 + 3.0
+        for _ in range(ITERS):
+            x0 = tl.fma(x0, a, b)
+            x1 = tl.fma(x1, a, b)
+            x2 = tl.fma(x2, a, b)
+            x3 = tl.fma(x3, a, b)
+        tl.store(y_ptr + offs, (x0 + x1) + (x2 + x3), mask=m)
+
+
+def fma_rate(timer: Timer, nbytes: int, iters: int, device: torch.device) -> dict:
+    """The fp32 arithmetic ceiling: ops/s of a plain FMA kernel on ``nbytes`` of fp32 data.
+    CUDA: :func:`fma_kernel` (Triton); CPU: ``iters`` in-place ``torch.addcmul`` passes on one
+    thread."""
+    n = max(1, nbytes // 4)
+    x = torch.rand(n, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    if device.type == "cuda":
+        block = 1024
+        grid = (triton.cdiv(n, block),)
+
+        def fn():
+            fma_kernel[grid](x, y, n, 0.999, 0.001, ITERS=iters, BLOCK=block, num_warps=4)
+
+        ops, impl = n * iters * FMA_CHAINS, f"triton, {FMA_CHAINS} chains"
+    else:  # one thread: a smoke-test number, free of thread-pool wake-up costs
+        a, b = torch.full_like(x, 0.999), torch.full_like(x, 0.001)
+
+        def fn():
+            torch.addcmul(b, x, a, out=y)
+            for _ in range(iters - 1):
+                torch.addcmul(b, y, a, out=y)
+
+        ops, impl = n * iters, "torch.addcmul, 1 thread"
+    threads = torch.get_num_threads()
+    if device.type != "cuda":
+        torch.set_num_threads(1)
+    try:
+        us = timer.time_fn(fn)
+    finally:
+        torch.set_num_threads(threads)
+    tops = ops / us / 1e6
+    return {"elements": n, "iters": iters, "impl": impl, "ops": ops, "time_us": us,
+            "tops": tops, "tflops": 2 * tops}
+
+
+def kernel_stats(us: float, nbytes: int, ops: int, copy: dict, fma: dict, how: str) -> dict:
+    """One kernel's entry: time, bytes, ops, bandwidth fraction and roofline fraction."""
+    gbps = nbytes / us / 1e3
+    mem_us = nbytes / (copy["gbps"] * 1e3)
+    ops_us = ops / (fma["tops"] * 1e6)
+    floor = max(mem_us, ops_us)
+    return {"time_us": us, "bytes": nbytes, "gbps": gbps, "frac_copy_bw": gbps / copy["gbps"],
+            "ops": ops, "floor_mem_us": mem_us, "floor_ops_us": ops_us, "floor_us": floor,
+            "frac_roofline": floor / us, "bound": "memory" if mem_us >= ops_us else "compute",
+            "timing": how}
+
+
 # ----------------------------------------------------------------------------- run
 
 
@@ -283,84 +540,134 @@ def tile_config(shape: Shape):
     return list(gdn_tile_config(shape.K, shape.V))
 
 
+def check_peer(work: BatchWorkload, peer: Peer, note: str) -> tuple[Peer | None, str, float | None]:
+    """Call the peer once (and compare its output with verify's); on failure fall back from
+    ``indexed`` to ``gather`` mode, then give up on the peer, with a printed note."""
+    while True:
+        try:
+            err = work.peer_rel_err()
+            if work.pool.device.type == "cuda":
+                torch.cuda.synchronize()
+            return peer, note, err
+        except Exception as exc:
+            if work.pool.device.type == "cuda":
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # a sticky CUDA error: the next op reports it
+                    pass
+            if peer.mode == "indexed":
+                note = f"{note}; the indexed call failed ({type(exc).__name__}: {exc}): gathering"
+                peer.mode = "gather"
+            else:
+                note = f"{note}; the call failed ({type(exc).__name__}: {exc}): peer skipped"
+                print(f"note: {note}", file=sys.stderr)
+                work.peer = None
+                return None, note, None
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    shape = Shape(args.heads, args.value_heads, args.head_k, args.head_v, args.k + 1,
-                  DTYPES[args.state_dtype], DTYPES[args.act_dtype])
-    W = shape.W
+    shapes = [Shape(args.heads, args.value_heads, args.head_k, args.head_v, k + 1,
+                    DTYPES[args.state_dtype], DTYPES[args.act_dtype]) for k in args.k]
+    shape0 = shapes[0]
     timer = Timer(device, args.timing, args.warmup_ms, args.rep_ms, args.graph_calls,
                   args.cpu_reps)
 
     copy = copy_bandwidth(timer, int(args.copy_gib * GIB), device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    fma = fma_rate(timer, int(args.fma_mib * 2**20), args.fma_iters, device)
+    peer, peer_note = load_peer(device, not args.no_peer)
+    print(f"note: {peer_note}")
 
-    # The pool: >= pool_gib, and >= min_sets disjoint index sets of the largest batch.
-    max_b = max(args.batches)
-    num_slots = max(math.ceil(args.pool_gib * GIB / shape.slot_bytes),
-                    args.min_sets * max_b * (W + 1))
-    pool = torch.randn(num_slots, shape.HV, shape.K, shape.V, dtype=shape.state_dtype,
+    # The pool: >= pool_gib, and >= min_sets disjoint index sets of the largest batch at the
+    # largest window.
+    max_b, max_w = max(args.batches), max(s.W for s in shapes)
+    num_slots = max(math.ceil(args.pool_gib * GIB / shape0.slot_bytes),
+                    args.min_sets * max_b * (max_w + 1))
+    pool = torch.randn(num_slots, shape0.HV, shape0.K, shape0.V, dtype=shape0.state_dtype,
                        device=device)
 
     rows = []
-    for B in args.batches:
-        n_sets = num_slots // (B * (W + 1))
-        work = BatchWorkload(shape, pool, B, n_sets, n_act=min(n_sets, args.act_copies))
-        moved = shape.bytes_moved(B)
-        kernels = {}
-        for name, call in work.calls().items():
-            us, how = timer.time_call(call, n_sets)
-            gbps = moved[name] / us / 1e3
-            kernels[name] = {"time_us": us, "bytes": moved[name], "gbps": gbps,
-                             "frac_copy_bw": gbps / copy["gbps"], "timing": how}
-        t = {name: kernels[name]["time_us"] for name in KERNELS}
-        rows.append({
-            "batch": B,
-            "tokens": B * W,
-            "index_sets": n_sets,
-            "kernels": kernels,
-            "verify+commit_nW_us": t["verify"] + t["commit_nW"],
-            "verify+commit_n1_us": t["verify"] + t["commit_n1"],
-            "ratio_vcW_over_snapshot": (t["verify"] + t["commit_nW"]) / t["snapshot"],
-            "ratio_vc1_over_snapshot": (t["verify"] + t["commit_n1"]) / t["snapshot"],
-            "bytes_ratio_vcW_over_snapshot":
-                (moved["verify"] + moved["commit_nW"]) / moved["snapshot"],
-            "bytes_ratio_vc1_over_snapshot":
-                (moved["verify"] + moved["commit_n1"]) / moved["snapshot"],
-        })
-        del work
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    for k, shape in zip(args.k, shapes):
+        W = shape.W
+        for B in args.batches:
+            n_sets = num_slots // (B * (W + 1))
+            work = BatchWorkload(shape, pool, B, n_sets, n_act=min(n_sets, args.act_copies),
+                                 peer=peer)
+            peer_err = None
+            if peer is not None:
+                peer, peer_note, peer_err = check_peer(work, peer, peer_note)
+            moved = shape.bytes_moved(B, peer.mode if peer is not None else None)
+            ops = shape.ops(B)
+            kernels = {}
+            for name, call in work.calls().items():
+                us, how = timer.time_call(call, n_sets)
+                kernels[name] = kernel_stats(us, moved[name], ops[name], copy, fma, how)
+            t = {name: kernels[name]["time_us"] for name in kernels}
+            row = {
+                "k": k,
+                "W": W,
+                "batch": B,
+                "tokens": B * W,
+                "index_sets": n_sets,
+                "kernels": kernels,
+                "verify+commit_nW_us": t["verify"] + t["commit_nW"],
+                "verify+commit_n1_us": t["verify"] + t["commit_n1"],
+                "ratio_vcW_over_snapshot": (t["verify"] + t["commit_nW"]) / t["snapshot"],
+                "ratio_vc1_over_snapshot": (t["verify"] + t["commit_n1"]) / t["snapshot"],
+                "ratio_folded_over_snapshot": t["folded"] / t["snapshot"],
+                "ratio_folded_over_vcW": t["folded"] / (t["verify"] + t["commit_nW"]),
+                "bytes_ratio_vcW_over_snapshot":
+                    (moved["verify"] + moved["commit_nW"]) / moved["snapshot"],
+                "bytes_ratio_vc1_over_snapshot":
+                    (moved["verify"] + moved["commit_n1"]) / moved["snapshot"],
+                "bytes_ratio_folded_over_snapshot": moved["folded"] / moved["snapshot"],
+            }
+            if "fla" in t:
+                row["ratio_fla_over_snapshot"] = t["fla"] / t["snapshot"]
+                row["ratio_folded_over_fla"] = t["folded"] / t["fla"]
+                row["fla_rel_err_vs_verify"] = peer_err
+            rows.append(row)
+            del work
+            if device.type == "cuda":
+                torch.cuda.synchronize()
 
     props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
     return {
         "device": device_name(device),
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": getattr(triton, "__version__", None),
         "cuda": torch.version.cuda,
         "l2_cache_bytes": getattr(props, "L2_cache_size", None),
         "sm_count": getattr(props, "multi_processor_count", None),
         "timing": args.timing if device.type == "cuda" else "perf_counter",
         "config": {
-            "k": args.k, "W": W, "H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V,
+            "k": list(args.k), "W": [s.W for s in shapes], "batches": list(args.batches),
+            "H": shape0.H, "HV": shape0.HV, "K": shape0.K, "V": shape0.V,
             "state_dtype": args.state_dtype, "act_dtype": args.act_dtype,
-            "tile_config_BK_BV_warps": tile_config(shape),
-            "pool_slots": num_slots, "slot_bytes": shape.slot_bytes,
-            "pool_bytes": num_slots * shape.slot_bytes,
+            "tile_config_BK_BV_warps": tile_config(shape0),
+            "pool_slots": num_slots, "slot_bytes": shape0.slot_bytes,
+            "pool_bytes": num_slots * shape0.slot_bytes,
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
             "graph_calls": args.graph_calls, "act_copies": args.act_copies,
+            "fma_mib": args.fma_mib, "fma_iters": args.fma_iters,
         },
         "copy_bandwidth_gbps": copy["gbps"],
         "copy": copy,
+        "fma_tops": fma["tops"],
+        "fma": fma,
+        "record_bytes_per_token": shape0.record_bytes_per_token,
+        "record_bytes_per_token_over_state":
+            shape0.record_bytes_per_token / (shape0.HV * shape0.K * shape0.V * 4),
+        "peer": {"name": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
+                 "available": peer is not None, "mode": getattr(peer, "mode", None),
+                 "fla_core_version": getattr(peer, "version", None), "note": peer_note},
         "bytes_model": BYTES_MODEL,
+        "ops_model": OPS_MODEL,
         "rows": rows,
     }
 
@@ -368,32 +675,54 @@ def run(args) -> dict:
 # ----------------------------------------------------------------------------- output
 
 
+SHORT = {"verify": ("verify", "ver"), "commit_nW": ("commit_W", "cW"),
+         "commit_n1": ("commit_1", "c1"), "snapshot": ("snapshot", "snap"),
+         "folded": ("folded", "fold"), "fla": ("fla", "fla"), "fla_contig": ("fla_cont", "flac")}
+
+
 def print_table(res: dict) -> None:
     c = res["config"]
     print(f"{res['device']}  torch {res['torch']}  triton {res['triton']}  timing {res['timing']}")
-    print(f"H={c['H']} HV={c['HV']} K={c['K']} V={c['V']} W={c['W']} state={c['state_dtype']} "
-          f"act={c['act_dtype']}  slot={c['slot_bytes'] / 2**20:.3g} MiB  "
+    print(f"H={c['H']} HV={c['HV']} K={c['K']} V={c['V']} k={','.join(map(str, c['k']))} "
+          f"state={c['state_dtype']} act={c['act_dtype']}  slot={c['slot_bytes'] / 2**20:.3g} MiB  "
           f"pool={c['pool_bytes'] / GIB:.3g} GiB")
     print(f"copy bandwidth: {res['copy_bandwidth_gbps']:.1f} GB/s "
           f"({res['copy']['bytes'] / GIB:.3g} GiB moved in {res['copy']['time_us']:.1f} us)")
-    print("times: median us per call; %BW: achieved bandwidth (BYTES_MODEL / time) as % of "
-          "the copy bandwidth; ratios: (verify + commit) / snapshot, in time and in bytes")
-    head = (f"{'B':>5} | {'verify':>9} {'commit_W':>9} {'commit_1':>9} {'snapshot':>9} "
-            f"| {'%BW ver':>7} {'cW':>4} {'c1':>4} {'snap':>4} "
-            f"| {'(v+cW)/s':>8} {'(v+c1)/s':>8} | {'bytes(v+cW)/s':>13} {'bytes(v+c1)/s':>13}")
-    print(head)
-    print("-" * len(head))
-    for r in res["rows"]:
-        k = r["kernels"]
-        times = " ".join(f"{k[n]['time_us']:9.2f}" for n in KERNELS)
-        fr = [f"{100 * k[n]['frac_copy_bw']:.0f}" for n in KERNELS]
-        print(f"{r['batch']:>5} | {times} | {fr[0]:>7} {fr[1]:>4} {fr[2]:>4} {fr[3]:>4} "
-              f"| {r['ratio_vcW_over_snapshot']:8.3f} {r['ratio_vc1_over_snapshot']:8.3f} "
-              f"| {r['bytes_ratio_vcW_over_snapshot']:13.3f} "
-              f"{r['bytes_ratio_vc1_over_snapshot']:13.3f}")
+    f = res["fma"]
+    print(f"fp32 FMA rate: {f['tops']:.3g} Tops/s = {f['tflops']:.3g} TFLOP/s "
+          f"({f['impl']}: {f['elements']} elements x {f['iters']} iters in {f['time_us']:.1f} us)")
+    print(f"record per token / fp32 state slot: {100 * res['record_bytes_per_token_over_state']:.2f}%"
+          f"  (target < 1.5%)")
+    print(f"peer: {res['peer']['note']}")
+    print("times: median us per call; %roof: floor / time with floor = max(bytes / copy bw, "
+          "ops / FMA rate), m|c: memory or compute sets the floor; ratios in time")
+    names = [n for n in (*KERNELS, *PEER_KERNELS) if any(n in r["kernels"] for r in res["rows"])]
+    head = (f"{'B':>5} | " + " ".join(f"{SHORT[n][0]:>9}" for n in names)
+            + " | %roof " + " ".join(f"{SHORT[n][1]:>4}" for n in names)
+            + f" | {'(v+cW)/s':>8} {'(v+c1)/s':>8} {'fold/s':>7} {'fold/(v+cW)':>11}")
+    for kv in c["k"]:
+        rows = [r for r in res["rows"] if r["k"] == kv]
+        r0 = rows[0]
+        print(f"\nk={kv} (W={r0['W']})  bytes ratios (same for every B): "
+              f"(v+cW)/snapshot {r0['bytes_ratio_vcW_over_snapshot']:.3f}, "
+              f"(v+c1)/snapshot {r0['bytes_ratio_vc1_over_snapshot']:.3f}, "
+              f"folded/snapshot {r0['bytes_ratio_folded_over_snapshot']:.3f}")
+        print(head)
+        print("-" * len(head))
+        for r in rows:
+            ks = r["kernels"]
+            times = " ".join(f"{ks[n]['time_us']:9.2f}" if n in ks else f"{'-':>9}" for n in names)
+            roof = " ".join(f"{100 * ks[n]['frac_roofline']:3.0f}{ks[n]['bound'][0]}" if n in ks
+                            else f"{'-':>4}" for n in names)
+            print(f"{r['batch']:>5} | {times} |       {roof} "
+                  f"| {r['ratio_vcW_over_snapshot']:8.3f} {r['ratio_vc1_over_snapshot']:8.3f} "
+                  f"{r['ratio_folded_over_snapshot']:7.3f} {r['ratio_folded_over_vcW']:11.3f}")
 
 
 def save_plot(res: dict, path: Path) -> bool:
+    """One column per kernel: median time (top) and roofline fraction (bottom) vs batch, one
+    colour per k; the last column holds the ratios (v + commit n=W) / snapshot and
+    folded / snapshot."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -401,35 +730,62 @@ def save_plot(res: dict, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return False
-    rows = res["rows"]
-    bs = [r["batch"] for r in rows]
-    fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = [
-        ("verify", [r["kernels"]["verify"]["time_us"] for r in rows], "-"),
-        ("commit n=W", [r["kernels"]["commit_nW"]["time_us"] for r in rows], "-"),
-        ("commit n=1", [r["kernels"]["commit_n1"]["time_us"] for r in rows], ":"),
-        ("snapshot (native)", [r["kernels"]["snapshot"]["time_us"] for r in rows], "-"),
-        ("verify + commit n=W", [r["verify+commit_nW_us"] for r in rows], "--"),
-        ("verify + commit n=1", [r["verify+commit_n1_us"] for r in rows], ":"),
-    ]
-    for label, ys, style in series:
-        ax_t.plot(bs, ys, style, marker="o", label=label)
-    ax_t.set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="median time (us)",
-             title="time per layer and step")
-    for name, label in [("verify", "verify"), ("commit_nW", "commit n=W"),
-                        ("commit_n1", "commit n=1"), ("snapshot", "snapshot")]:
-        ax_f.plot(bs, [r["kernels"][name]["frac_copy_bw"] for r in rows], marker="o", label=label)
-    ax_f.set(xscale="log", xlabel="batch (rows)", ylabel="fraction of copy bandwidth",
-             title=f"copy bandwidth {res['copy_bandwidth_gbps']:.0f} GB/s")
-    for ax in (ax_t, ax_f):
-        ax.set_xticks(bs, [str(b) for b in bs])
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    c = res["config"]
-    fig.suptitle(f"{res['device']}: GDN ops, W={c['W']}, HV={c['HV']} K={c['K']} V={c['V']}, "
-                 f"{c['state_dtype']} state")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    rows, c = res["rows"], res["config"]
+    names = [n for n in (*KERNELS, *PEER_KERNELS) if any(n in r["kernels"] for r in rows)]
+    ks = c["k"]
+    colours = {k: plt.cm.viridis(i / max(1, len(ks) - 1) * 0.9) for i, k in enumerate(ks)}
+    ncols = 4
+    groups = -(-(len(names) + 1) // ncols)
+    fig, axes = plt.subplots(2 * groups, ncols, figsize=(4 * ncols, 5.6 * groups), squeeze=False)
+    times = [r["kernels"][n]["time_us"] for r in rows for n in names if n in r["kernels"]]
+    t_lim = (min(times) / 1.5, max(times) * 1.5)
+    f_max = max(1.05, max(r["kernels"][n]["frac_roofline"] for r in rows for n in names
+                          if n in r["kernels"]) * 1.05)
+
+    def series(k, name=None, key=None):
+        """(batches, values) of k's rows: ``r["kernels"][name][key]``, or ``r[key]``."""
+        sel = [r for r in rows if r["k"] == k and (name is None or name in r["kernels"])]
+        return ([r["batch"] for r in sel],
+                [r["kernels"][name][key] if name is not None else r[key] for r in sel])
+
+    for idx in range(groups * ncols):
+        ax_t, ax_f = axes[2 * (idx // ncols), idx % ncols], axes[2 * (idx // ncols) + 1, idx % ncols]
+        if idx < len(names):
+            name = names[idx]
+            for k in ks:
+                ax_t.plot(*series(k, name, "time_us"), marker="o", ms=3, color=colours[k],
+                          label=f"k={k}")
+                ax_f.plot(*series(k, name, "frac_roofline"), marker="o", ms=3, color=colours[k],
+                          label=f"k={k}")
+            ax_t.set(yscale="log", ylim=t_lim, title=LABELS[name], ylabel="median time (us)")
+            ax_f.set(ylim=(0, f_max), ylabel="fraction of roofline floor")
+        elif idx == len(names):
+            for k in ks:
+                ax_t.plot(*series(k, key="ratio_vcW_over_snapshot"), marker="o", ms=3,
+                          color=colours[k], label=f"k={k}")
+                ax_f.plot(*series(k, key="ratio_folded_over_snapshot"), marker="o", ms=3,
+                          color=colours[k], label=f"k={k}")
+            ax_t.set(title="(verify + commit n=W) / snapshot", ylabel="time ratio")
+            ax_f.set(title="folded / snapshot", ylabel="time ratio")
+            for ax in (ax_t, ax_f):
+                ax.axhline(1.0, color="grey", lw=0.8)
+        else:
+            ax_t.axis("off")
+            ax_f.axis("off")
+            continue
+        for ax in (ax_t, ax_f):
+            bs = sorted({r["batch"] for r in rows})
+            ax.set_xscale("log")
+            ax.set_xticks(bs, [str(b) for b in bs], fontsize=7)
+            ax.grid(True, which="both", alpha=0.3)
+        ax_f.set_xlabel("batch (rows)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=len(ks), fontsize=9)
+    fig.suptitle(f"{res['device']}: GDN ops per layer and step, HV={c['HV']} K={c['K']} V={c['V']}, "
+                 f"{c['state_dtype']} state; copy {res['copy_bandwidth_gbps']:.0f} GB/s, "
+                 f"FMA {res['fma']['tflops']:.3g} TFLOP/s", x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
 
@@ -443,8 +799,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke test only)")
     p.add_argument("--batches", type=ints, default=None,
-                   help="comma-separated batch sizes (default 1,...,256; cpu: 1,2)")
-    p.add_argument("--k", type=int, default=3, help="draft tokens; window W = k + 1")
+                   help="comma-separated batch sizes (default 1,4,16,32,64,128,256; cpu: 1,2)")
+    p.add_argument("--k", type=ints, default=None,
+                   help="comma-separated draft lengths; window W = k + 1 (default 1,2,3,5,7; "
+                        "cpu: 1,3)")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the state pool")
     p.add_argument("--act-dtype", choices=list(DTYPES), default="bfloat16",
@@ -469,22 +827,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="disjoint index sets of the largest batch the pool must hold")
     p.add_argument("--copy-gib", type=float, default=None,
                    help="copy buffer size in GiB (default 1; cpu: 0.0625)")
+    p.add_argument("--fma-mib", type=float, default=None,
+                   help="fp32 data of the FMA kernel in MiB (default 64; cpu: 1)")
+    p.add_argument("--fma-iters", type=int, default=None,
+                   help="FMAs per element and chain in the FMA kernel (default 512; cpu: 32)")
+    p.add_argument("--no-peer", action="store_true", help="skip the fla-core peer")
     p.add_argument("--cpu-reps", type=int, default=3, help="timed repetitions on cpu")
     args = p.parse_args(argv)
 
     cpu = torch.device(args.device).type == "cpu"
     defaults = {
-        "batches": [1, 2] if cpu else [1, 2, 4, 8, 16, 32, 64, 128, 256],
+        "batches": [1, 2] if cpu else [1, 4, 16, 32, 64, 128, 256],
+        "k": [1, 3] if cpu else [1, 2, 3, 5, 7],
         "head_k": 16 if cpu else 128,
         "head_v": 16 if cpu else 128,
         "pool_gib": 0.004 if cpu else 2.0,
         "copy_gib": 0.0625 if cpu else 1.0,
+        "fma_mib": 1.0 if cpu else 64.0,
+        "fma_iters": 32 if cpu else 512,
     }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not args.batches or min(args.batches) < 1:
         p.error("--batches: expected positive integers")
+    if not args.k or min(args.k) < 0:
+        p.error("--k: expected non-negative integers")
+    if args.fma_iters < 1 or args.fma_mib <= 0:
+        p.error("--fma-iters and --fma-mib must be positive")
     if args.value_heads % args.heads:
         p.error("--value-heads must be a multiple of --heads")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():

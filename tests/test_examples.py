@@ -30,3 +30,11 @@ def test_compile_graph_capture_example_runs(capsys):
     assert example.main(["--quick", "--device", "cpu", "--batch", "1", "3"]) == 0
     out = capsys.readouterr().out
     assert "eager ms" in out and "captured 0 bucket(s)" in out
+
+
+def test_tensorrt_verify_example_exports_and_commits(capsys):
+    example = _load("tensorrt_verify")
+    assert example.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "exported program == eager on another batch shape: True" in out
+    assert "ssm_spec.gdn_verify_functional.default" in out

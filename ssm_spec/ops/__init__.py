@@ -7,6 +7,7 @@ validate on the host (``validate=None``: on in eager, off while compiling or cap
 call the ops.
 """
 
+from . import functional  # noqa: F401  (registers the functional verify ops)
 from ._validate import NULL_SLOT
 from .gdn import ReplayRecord, gdn_commit, gdn_folded_verify, gdn_snapshot_verify, gdn_verify
 from .short_conv import short_conv_commit, short_conv_verify

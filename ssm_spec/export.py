@@ -1,0 +1,130 @@
+"""The verify step as a ``torch.export`` program (the export / Torch-TensorRT issue).
+
+The modules' engine forward takes a metadata object and a pool; an exported program needs
+tensors in and tensors out. :class:`VerifyForward` is the verify path of a stack of
+:class:`~ssm_spec.RecoverGatedDeltaNet` / :class:`~ssm_spec.RecoverShortConv` layers with the
+pool's state tensors, the slots and ``query_start_loc`` as inputs, and the layer output plus
+every layer's replay record as outputs. It runs the functional verify ops
+(:mod:`ssm_spec.ops.functional`), so each appears in the exported graph as one node and
+nothing is mutated; the caller then commits with the records it returned
+(:func:`ssm_spec.ops.gdn_commit`, :func:`ssm_spec.ops.short_conv_commit`, in PyTorch).
+
+:func:`export_verify` exports it with a dynamic token dim ``T`` and batch dim ``B`` (strict or
+non-strict tracing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .modules import RecoverGatedDeltaNet, RecoverShortConv
+
+__all__ = ["VerifyForward", "export_verify", "example_inputs"]
+
+
+class VerifyForward(nn.Module):
+    """The verify forward of a residual stack of GDN and short-conv layers, tensors only.
+
+    ``forward(hidden [T, hidden], gdn_states, conv_states, state_indices [B] int32,
+    query_start_loc [B + 1] int32)`` with ``gdn_states`` one ``[S, HV, K, V]`` pool per GDN layer
+    and ``conv_states`` one ``[S, Lc, C]`` pool per conv state (each GDN layer's qkv conv, then
+    each ``RecoverShortConv``, in layer order), returns ``(hidden_out [T, hidden], records)``
+    where ``records`` lists, per layer in order, ``(u, k, decay, conv_x)`` for a GDN layer
+    and ``(x,)`` for a short conv. Each layer adds its output to the residual stream
+    (``x + layer(x)``). Tokens outside every window come out of every layer as 0.
+
+    Args:
+        layers: the stack's ``RecoverGatedDeltaNet`` / ``RecoverShortConv`` modules (their
+            parameters are shared, not copied).
+
+    Raises:
+        ValueError: a layer of another type.
+    """
+
+    def __init__(self, layers):
+        super().__init__()
+        layers = list(layers) if isinstance(layers, (list, tuple, nn.ModuleList)) else [layers]
+        for layer in layers:
+            if not isinstance(layer, (RecoverGatedDeltaNet, RecoverShortConv)):
+                raise ValueError(f"VerifyForward: got a {type(layer).__name__}; expected RecoverGatedDeltaNet or "
+                                 "RecoverShortConv layers")
+        self.layers = nn.ModuleList(layers)
+
+    @staticmethod
+    def _gdn(layer: RecoverGatedDeltaNet, x, state, conv_state, slots, qsl):
+        T = x.shape[0]
+        H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+        mixed, z, b, a = layer.project(x)
+        conv_out, rec_x = torch.ops.ssm_spec.short_conv_verify_functional(
+            mixed, layer.conv1d.weight[:, 0], layer.conv1d.bias, conv_state, slots, qsl, 1, "silu")
+        q = conv_out[:, : layer.key_dim].unflatten(1, (H, K))
+        k = conv_out[:, layer.key_dim : 2 * layer.key_dim].unflatten(1, (H, K))
+        v = conv_out[:, 2 * layer.key_dim :].unflatten(1, (HV, V))
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+        core, u, khat, decay = torch.ops.ssm_spec.gdn_verify_functional(
+            q, k, v, g, b.sigmoid(), state, slots, qsl, K**-0.5, True)
+        y = layer.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, layer.value_dim)
+        return layer.out_proj(y), (u, khat, decay, rec_x)
+
+    def forward(self, hidden: torch.Tensor, gdn_states: list[torch.Tensor], conv_states: list[torch.Tensor],
+                state_indices: torch.Tensor, query_start_loc: torch.Tensor):
+        records = []
+        gi = ci = 0
+        x = hidden
+        for layer in self.layers:
+            if isinstance(layer, RecoverGatedDeltaNet):
+                y, rec = self._gdn(layer, x, gdn_states[gi], conv_states[ci], state_indices, query_start_loc)
+                gi, ci = gi + 1, ci + 1
+            else:
+                y, rec_x = torch.ops.ssm_spec.short_conv_verify_functional(
+                    x, layer.weight[:, 0], layer.bias, conv_states[ci], state_indices, query_start_loc,
+                    layer.dilation, layer.activation)
+                rec, ci = (rec_x,), ci + 1
+            x = x + y
+            records.append(rec)
+        return x, records
+
+
+def example_inputs(module: VerifyForward, num_slots: int, lengths, device=None, dtype=torch.float32, seed=0):
+    """Random inputs for ``module``: a hidden state for ``sum(lengths)`` tokens, fresh random
+    pools of ``num_slots`` slots, rows on slots ``0..B-1`` with windows of ``lengths``."""
+    gen = torch.Generator().manual_seed(seed)
+    gdn, conv = [], []
+    hidden_size = None
+    for layer in module.layers:
+        if isinstance(layer, RecoverGatedDeltaNet):
+            hidden_size = layer.hidden_size
+            gdn.append(torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen))
+            conv.append(torch.randn(num_slots, layer.conv_kernel_size - 1, layer.conv_dim, generator=gen))
+        else:
+            hidden_size = hidden_size or layer.channels
+            conv.append(torch.randn(num_slots, (layer.kernel_size - 1) * layer.dilation, layer.channels,
+                                    generator=gen))
+    T = sum(lengths)
+    qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    hidden = torch.randn(T, hidden_size, generator=gen).to(dtype)
+    slots = torch.arange(len(lengths), dtype=torch.int32)
+    move = lambda t: t.to(device)  # noqa: E731
+    return (move(hidden), [move(s) for s in gdn], [move(s) for s in conv], move(slots), move(qsl))
+
+
+def export_verify(module: VerifyForward, args, *, strict: bool = False, dynamic: bool = True):
+    """``torch.export.export`` of ``module`` on ``args`` (as :func:`example_inputs` builds
+    them), with the token dim ``T`` and the batch dim ``B`` dynamic (``query_start_loc`` has
+    ``B + 1`` entries) unless ``dynamic=False``.
+
+    Returns:
+        the ``torch.export.ExportedProgram``; ``.module()`` runs it.
+
+    Raises:
+        whatever ``torch.export`` raises for a module it cannot trace.
+    """
+    shapes = None
+    if dynamic:
+        T = torch.export.Dim("T", min=2)
+        B = torch.export.Dim("B", min=2)
+        hidden, gdn, conv, _, _ = args
+        shapes = ({0: T}, [None] * len(gdn), [None] * len(conv), {0: B}, {0: B + 1})
+    return torch.export.export(module, tuple(args), dynamic_shapes=shapes, strict=strict)
