@@ -368,9 +368,13 @@ def test_compile_fullgraph_has_no_break_and_equals_eager(device):
     got = compile_step(model, pool, backend=backend)(*args)
     assert len(graphs) == 1  # fullgraph=True: one graph, no break
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    for a, b in zip(_states(model, pool), _states(twin, tpool)):
-        # bitwise on CPU; the H200 run saw last-bit differences between the traced graph and
-        # eager (same tokens; cause not isolated), so CUDA compares within float tolerance
+    live = _recurrent(pool) + [kv[:, :SLOTS] for kv in model.kv_buffers()]
+    twin_live = _recurrent(tpool) + [kv[:, :SLOTS] for kv in twin.kv_buffers()]
+    for a, b in zip(live, twin_live):
+        # The KV buffers' last slot is the padding rows' write sink: several writes to one
+        # index, whose winner CUDA leaves unspecified, so it is not compared. Bitwise on CPU;
+        # the H200 runs compared within float tolerance (the first saw a bitwise difference,
+        # the sink's or the states' last bits; the second, with the sink, a large one).
         assert same_bits(a, b) if device.type == "cpu" else rel_err(a, b) < 1e-5
 
 
@@ -437,8 +441,8 @@ def test_replay_equals_eager_on_the_padded_bucket_bit_for_bit(batch):
     torch.cuda.synchronize()
     assert torch.equal(runner.accepted_tokens[:bucket], eager[0])
     assert torch.equal(runner.num_accepted_tokens[:bucket], eager[1])
-    for a, b in zip(_states(model, pool), after_eager):
-        assert same_bits(a, b)
+    for a, b in zip(_states(model, pool), after_eager):  # all but the KV write sink (last slot)
+        assert same_bits(a[:, :SLOTS], b[:, :SLOTS])
 
 
 class _SyncingStack(torch.nn.Module):
