@@ -118,7 +118,9 @@ def rejection_sample_accept(window_tokens: torch.Tensor, window_lens: torch.Tens
     p_x = p[:, :-1].gather(2, x)[..., 0]
     q_x = q.gather(2, x)[..., 0]
     u = torch.rand((B, W - 1), generator=generator, device=logits.device, dtype=torch.float32)
-    passed = u * q_x < p_x  # probability min(1, p/q); q_x = 0 cannot have been drawn
+    # probability min(1, p/q); a draft its own q gives probability 0 cannot have been drawn from
+    # it: rejected rather than accepted on a malformed q (exactness then still holds)
+    passed = (q_x > 0) & (u * q_x < p_x)
     residual = (p[:, :-1] - q).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual, p[:, :-1])  # p == q: a rejection never happens there

@@ -33,14 +33,24 @@ def compile_step(model, pool: StatePool, *, temperature: float = 1.0, generator:
     """``torch.compile`` the uniform step for ``model`` and ``pool``.
 
     Args:
-        model, pool, temperature, generator, pad_token: as :func:`graphs.step.spec_decode_step`.
+        model, pool, temperature, pad_token: as :func:`graphs.step.spec_decode_step`.
+        generator: must be None (``torch.compile`` cannot take a ``torch.Generator``; sampling
+            uses the device's default generator).
         compile_kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True, ``dynamic``
             to False: one graph per batch size, as the captured buckets).
+
+    Raises:
+        ValueError: a ``generator``, or ``temperature <= 0``.
 
     Returns:
         ``step(window_tokens, window_lens, state_indices, num_computed_tokens, query_start_loc,
         draft_probs=None) -> (accepted_tokens, num_accepted_tokens)``, compiled.
     """
+    if generator is not None:
+        raise ValueError("compile_step: generator: torch.compile cannot trace a torch.Generator argument; "
+                         "sample from the device's default generator (seed it with torch.manual_seed)")
+    if not temperature > 0:
+        raise ValueError(f"compile_step: temperature: got {temperature}; expected > 0")
     for t in pool_tensors(pool):
         torch._dynamo.mark_static_address(t)
     for t in model.buffers():

@@ -78,7 +78,10 @@ class SpecDecodeGraphRunner:
 
     Raises:
         ValueError: ``num_draft_tokens < 0``, no bucket left, a pool too small for the largest
-            bucket, or a ``generator`` on another device.
+            bucket, a ``generator`` on another device, ``temperature <= 0`` for sampling,
+            ``vocab_size < 1``, ``capture=True`` off CUDA. The model's logits width is checked
+            against ``vocab_size`` by a padding-only step before the first real one (capture
+            warm-up, or the first ``step``).
     """
 
     def __init__(self, model, pool: StatePool, num_draft_tokens: int, vocab_size: int, *,
@@ -97,6 +100,10 @@ class SpecDecodeGraphRunner:
                              f"{bmax * W} (the largest bucket, {bmax} rows of {W} tokens)")
         if sampling and not temperature > 0:
             raise ValueError(f"SpecDecodeGraphRunner: temperature: got {temperature}; expected > 0")
+        if vocab_size < 1:
+            raise ValueError(f"SpecDecodeGraphRunner: vocab_size: got {vocab_size}; expected >= 1")
+        if capture and pool.device.type != "cuda":
+            raise ValueError(f"SpecDecodeGraphRunner: capture=True needs a CUDA pool; the pool is on {pool.device}")
         self.model, self.pool, self.vocab_size = model, pool, vocab_size
         self.sampling, self.temperature, self.generator, self.pad_token = sampling, temperature, generator, pad_token
         dev = self.device = pool.device
@@ -115,6 +122,7 @@ class SpecDecodeGraphRunner:
         self.accepted_tokens = torch.full((bmax, W), pad_token, dtype=torch.int64, device=dev)
         self.num_accepted_tokens = torch.zeros(bmax, **i32)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, record parity)
+        self._vocab_checked = False
         self.mempool = None
 
     # ------------------------------------------------------------------ the step body
@@ -124,7 +132,8 @@ class SpecDecodeGraphRunner:
             self.model, self.pool, self.window_tokens[:B], self.window_lens[:B], self.state_indices[:B],
             self.num_computed_tokens[:B], self.query_start_loc[:B + 1],
             self.draft_probs[:B] if self.sampling else None,
-            temperature=self.temperature, generator=self.generator, pad_token=self.pad_token)
+            temperature=self.temperature, generator=self.generator, pad_token=self.pad_token,
+            vocab_size=self.vocab_size)
         self.accepted_tokens[:B].copy_(accepted)
         self.num_accepted_tokens[:B].copy_(counts)
 
@@ -135,7 +144,7 @@ class SpecDecodeGraphRunner:
             ValueError: ``batch`` outside ``1..max bucket``.
         """
         for b in self.buckets:
-            if b >= batch:
+            if b >= batch >= 1:
                 return b
         raise ValueError(f"SpecDecodeGraphRunner: batch: got {batch} rows; expected 1..{self.buckets[-1]}")
 
@@ -163,6 +172,8 @@ class SpecDecodeGraphRunner:
         """
         if not self.capture_graphs or self.graphs:
             return self
+        parity = self.pool.record_parity  # warm-ups and captures swap a folded pool's records
+        self._check_vocab()
         self._pad_all()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -173,7 +184,6 @@ class SpecDecodeGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.mempool = torch.cuda.graph_pool_handle()
-        parity = self.pool.record_parity if self.pool.folded else 0
         for B in reversed(self.buckets):
             for p in self._parities():
                 if self.pool.folded:
@@ -226,10 +236,44 @@ class SpecDecodeGraphRunner:
                                f"block(s), {sum(new.values())} bytes, outside the graph memory pool")
         return graph
 
+    @torch.no_grad()
+    def _check_vocab(self) -> None:
+        """Run the body once on padding rows only (reads and writes no state) so a model whose
+        logits are not ``vocab_size`` wide fails here, not in the middle of a real step."""
+        if self._vocab_checked:
+            return
+        saved = [t.clone() for t in self._inputs()]
+        parity = self.pool.record_parity
+        self._pad_all()
+        try:
+            self._body(self.buckets[0])
+        except ValueError as exc:
+            raise ValueError(f"SpecDecodeGraphRunner: {exc}") from None
+        finally:
+            for t, v in zip(self._inputs(), saved):
+                t.copy_(v)
+            if self.pool.folded:  # the probe's commit swapped the record buffers: undo it
+                self.pool.set_record_parity(parity)
+        self._vocab_checked = True
+
+    def _inputs(self):
+        return [t for t in (self.window_tokens, self.window_lens, self.state_indices, self.num_computed_tokens,
+                            self.draft_probs) if t is not None]
+
     # ------------------------------------------------------------------ a step
     def _check(self, window_tokens, window_lens, state_indices, num_computed_tokens, draft_probs) -> None:
-        B = window_tokens.shape[0] if window_tokens.dim() == 2 else -1
         W, V = self.W, self.vocab_size
+        if window_tokens.dim() != 2:
+            raise ValueError(f"SpecDecodeGraphRunner.step: window_tokens: got shape {list(window_tokens.shape)}; "
+                             f"expected [B, {W}]")
+        B = window_tokens.shape[0]
+        for name, t in (("window_tokens", window_tokens), ("window_lens", window_lens),
+                        ("state_indices", state_indices), ("num_computed_tokens", num_computed_tokens)):
+            if t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"SpecDecodeGraphRunner.step: {name}: got dtype {t.dtype}; expected int32 or int64")
+        if draft_probs is not None and not draft_probs.is_floating_point():
+            raise ValueError(f"SpecDecodeGraphRunner.step: draft_probs: got dtype {draft_probs.dtype}; expected a "
+                             "floating dtype")
         shapes = {"window_tokens": (window_tokens, (B, W)), "window_lens": (window_lens, (B,)),
                   "state_indices": (state_indices, (B,)), "num_computed_tokens": (num_computed_tokens, (B,))}
         if self.sampling:
@@ -245,6 +289,25 @@ class SpecDecodeGraphRunner:
                 raise ValueError(f"SpecDecodeGraphRunner.step: {name}: got shape {list(t.shape)}; expected "
                                  f"{list(shape)} (W = {W})")
         self.bucket_for(B)
+
+    @staticmethod
+    def _check_draft_probs(window_tokens, window_lens, draft_probs) -> None:
+        """Each real draft's distribution: finite, non-negative, summing to 1 (within 1e-3), and
+        giving its own draft a positive probability (it was drawn from it)."""
+        q = draft_probs.double()
+        if not torch.isfinite(q).all() or (q < 0).any():
+            raise ValueError("SpecDecodeGraphRunner.step: draft_probs: got negative or non-finite entries; "
+                             "expected probabilities")
+        k = q.shape[1]
+        real = torch.arange(k, device=q.device)[None, :] < (window_lens.to(q.device).long() - 1)[:, None]
+        sums = q.sum(-1)
+        if ((sums - 1).abs() > 1e-3)[real].any():
+            raise ValueError("SpecDecodeGraphRunner.step: draft_probs: a real draft's distribution does not sum "
+                             "to 1 (within 1e-3)")
+        q_x = q.gather(2, window_tokens[:, 1:].long().to(q.device)[..., None])[..., 0]
+        if (q_x <= 0)[real].any():
+            raise ValueError("SpecDecodeGraphRunner.step: draft_probs: a draft token has probability 0 under its "
+                             "own draft distribution (it cannot have been drawn from it)")
 
     @staticmethod
     def _check_values(W, vocab, slots_total, window_tokens, window_lens, state_indices, num_computed_tokens):
@@ -281,13 +344,16 @@ class SpecDecodeGraphRunner:
         bucket, replay its graph (or run the body eagerly), and return the outputs.
 
         Args:
-            window_tokens: ``[B, W]`` int64 (positions past a row's length are ignored).
+            window_tokens: ``[B, W]`` int64/int32 token ids in ``0..vocab_size - 1`` (every
+                position, padding rows' too; positions past a row's length are verified but
+                never accepted).
             window_lens: ``[B]`` int, ``1..W`` real tokens (``0`` with ``NULL_SLOT``: padding).
             state_indices: ``[B]`` int slots, distinct; ``NULL_SLOT`` for padding rows.
             num_computed_tokens: ``[B]`` int committed tokens per row (``>= 1``: prefill first).
             draft_probs: ``[B, W - 1, vocab]`` (sampling runners only).
             validate: check the values on the host first (one device-to-host read of the small
-                index tensors). Shapes are always checked.
+                index tensors, and of ``draft_probs``: finite, non-negative, summing to 1, each
+                draft possible under its own distribution). Shapes and dtypes are always checked.
 
         Returns:
             ``(accepted_tokens [B, W] int64, num_accepted_tokens [B] int32)``: views of the
@@ -301,6 +367,9 @@ class SpecDecodeGraphRunner:
         if validate:
             self._check_values(self.W, self.vocab_size, self.pool.num_slots, window_tokens, window_lens,
                                state_indices, num_computed_tokens)
+            if self.sampling:
+                self._check_draft_probs(window_tokens, window_lens, draft_probs)
+        self._check_vocab()
         if self.capture_graphs and not self.graphs:
             self.capture()  # first: capturing pads every static buffer
         B = window_tokens.shape[0]

@@ -116,7 +116,9 @@ class DecoderStack(nn.Module):
         num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel_size: the GDN layers'
             (Qwen3-Next's ``linear_*`` config values).
         num_heads, num_kv_heads, head_dim: the attention layers'.
-        max_len: positions per KV slot (prompt plus generated tokens plus one window).
+        max_len: positions per KV slot (prompt plus generated tokens plus one window). Nothing
+            checks it inside a step (that would read positions back): a token at a position
+            ``>= max_len`` is written to the sink slot and its attention is wrong, silently.
         num_slots: requests the KV buffers hold (the state pool's ``num_slots``).
         device, dtype: of the parameters and KV buffers.
 

@@ -21,7 +21,7 @@ def spec_decode_step(model, pool: StatePool, window_tokens: torch.Tensor, window
                      state_indices: torch.Tensor, num_computed_tokens: torch.Tensor,
                      query_start_loc: torch.Tensor, draft_probs: torch.Tensor | None = None, *,
                      temperature: float = 1.0, generator: torch.Generator | None = None,
-                     pad_token: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     pad_token: int = 0, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One uniform spec-decode step for ``B`` rows of ``W`` window tokens.
 
     Runs ``model(window_tokens.reshape(-1), metadata, pool)`` with the uniform verify metadata
@@ -43,6 +43,7 @@ def spec_decode_step(model, pool: StatePool, window_tokens: torch.Tensor, window
         temperature, generator: the sampling temperature (``> 0``) and device generator for
             rejection sampling.
         pad_token: filler of unused output positions.
+        vocab_size: when given, the logits' width must equal it.
 
     Returns:
         ``(accepted_tokens [B, W] int64, num_accepted_tokens [B] int32)``: the accepted drafts
@@ -50,12 +51,28 @@ def spec_decode_step(model, pool: StatePool, window_tokens: torch.Tensor, window
         the caller advances ``num_computed_tokens`` by the count.
 
     Raises:
-        ValueError: shapes that do not agree (checked from shapes only; values are the
-            caller's to validate, see :meth:`graphs.SpecDecodeGraphRunner.step`).
+        ValueError: shapes that do not agree, or ``temperature <= 0`` with ``draft_probs``,
+            before the forward; logits narrower or wider than ``vocab_size`` after it. Values
+            are the caller's to validate (see :meth:`graphs.SpecDecodeGraphRunner.step`).
     """
+    if window_tokens.dim() != 2:
+        raise ValueError(f"spec_decode_step: window_tokens: got shape {list(window_tokens.shape)}; expected [B, W]")
     B, W = window_tokens.shape
+    if window_lens.shape != (B,):
+        raise ValueError(f"spec_decode_step: window_lens: got shape {list(window_lens.shape)}; expected [{B}]")
+    if draft_probs is not None:
+        if draft_probs.dim() != 3 or draft_probs.shape[:2] != (B, W - 1) or \
+                (vocab_size is not None and draft_probs.shape[2] != vocab_size):
+            raise ValueError(f"spec_decode_step: draft_probs: got shape {list(draft_probs.shape)}; expected "
+                             f"[{B}, {W - 1}, {vocab_size or 'vocab'}]")
+        if not temperature > 0:
+            raise ValueError(f"spec_decode_step: temperature: got {temperature}; expected > 0")
     metadata = RecoverSSMMetadata.uniform_verify(state_indices, num_computed_tokens, query_start_loc, W)
     logits = model(window_tokens.reshape(-1), metadata, pool).view(B, W, -1)
+    if vocab_size is not None and logits.shape[-1] != vocab_size:
+        raise ValueError(f"spec_decode_step: the model's logits are {logits.shape[-1]} wide; expected vocab_size "
+                         f"= {vocab_size} (raised after the forward: its KV and record buffers are written, the "
+                         "committed states are not)")
     if draft_probs is None:
         accepted, counts = greedy_accept(window_tokens, window_lens, logits, pad_token)
     else:

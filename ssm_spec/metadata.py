@@ -310,8 +310,13 @@ class RecoverSSMMetadata:
             window: ``W``, tokens per row.
 
         Raises:
-            ValueError: on shapes that do not fit ``B`` rows, or a ``window < 1``.
+            ValueError: on shapes that do not fit ``B`` rows, a ``window`` that is not an int
+                ``>= 1``, or tensors that are not int32.
         """
+        if not isinstance(window, int) or any(t.dtype != torch.int32 for t in (state_indices, num_computed_tokens,
+                                                                              query_start_loc)):
+            _fail("uniform_verify", f"window {window!r}, dtypes {state_indices.dtype}, {num_computed_tokens.dtype}, "
+                  f"{query_start_loc.dtype}", "an int window and int32 tensors")
         B = state_indices.shape[0]
         if window < 1 or state_indices.dim() != 1 or num_computed_tokens.shape != (B,) \
                 or query_start_loc.shape != (B + 1,):

@@ -516,3 +516,98 @@ def test_bucket_choice_and_cap():
     assert [runner.bucket_for(b) for b in (1, 2, 3, 4)] == [1, 2, 4, 4]
     with pytest.raises(ValueError, match="batch"):
         runner.bucket_for(5)
+
+
+# ----------------------------------------------------------------------------- review findings
+
+
+def test_empty_batch_and_vocab_mismatch_raise_before_any_state_changes(device):
+    model = _stack(device, seed=12)
+    pool = _pool(model, device)
+    slots = [2, 5]
+    last, nct = _prefill(model, pool, slots, [6, 6], seed=12)
+    runner = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(1, 2, 4))
+    with pytest.raises(ValueError, match="batch"):
+        runner.bucket_for(0)
+    empty = torch.zeros(0, W, dtype=torch.int64, device=device)
+    z = torch.zeros(0, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="batch"):
+        runner.step(empty, z, z, z)
+    wrong = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V - 16, buckets=(1, 2, 4), capture=False)
+    window = torch.randint(0, V - 16, (2, W)).to(device)
+    before = [t.clone() for t in _recurrent(pool)]
+    with pytest.raises(ValueError, match="logits are 64 wide"):
+        wrong.step(window, torch.full((2,), W, dtype=torch.int32, device=device),
+                   torch.tensor(slots, dtype=torch.int32, device=device), nct.to(device))
+    assert all(same_bits(a, b) for a, b in zip(_recurrent(pool), before))
+    with pytest.raises(ValueError, match="dtype"):
+        runner.step(window.float(), torch.full((2,), W, dtype=torch.int32, device=device),
+                    torch.tensor(slots, dtype=torch.int32, device=device), nct.to(device))
+
+
+def test_a_smaller_batch_in_the_same_bucket_leaves_the_previous_rows_alone(device):
+    """Five rows, then three in the same bucket of 8: rows 3 and 4 of the first call become
+    padding (their slots untouched by the second step)."""
+    model = _stack(device, seed=13)
+    pool = _pool(model, device)
+    slots = [1, 3, 5, 7, 9]
+    last, nct = _prefill(model, pool, slots, [4, 5, 6, 7, 8], seed=13)
+    runner = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(8,))
+    window = torch.randint(0, V, (5, W)).to(device)
+    window[:, 0] = last
+    lens = torch.full((5,), W, dtype=torch.int32, device=device)
+    s = torch.tensor(slots, dtype=torch.int32, device=device)
+    runner.step(window, lens, s, nct.to(device))
+    kept = [t[:, [7, 9]].clone() for t in _recurrent(pool)]
+    runner.step(window[:3], lens[:3], s[:3], nct[:3].to(device) + 1)
+    assert all(same_bits(t[:, [7, 9]], k) for t, k in zip(_recurrent(pool), kept))
+
+
+def test_sampling_runner_uses_the_given_draft_probs():
+    """Eager runner vs rejection_sample_accept on a twin's logits with the same random numbers:
+    identical tokens for an arbitrary (not target-equal) draft distribution; malformed ones
+    raise, and a draft its own q calls impossible is never accepted."""
+    from graphs import rejection_sample_accept
+
+    model = _stack("cpu", seed=14)
+    pool = _pool(model, "cpu")
+    slots = [0, 4, 8]
+    last, nct = _prefill(model, pool, slots, [9, 9, 9], seed=14)
+    twin, tpool = _twin(model, pool)
+    runner = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(4,), sampling=True, temperature=0.8)
+    gen = torch.Generator().manual_seed(3)
+    window = torch.randint(0, V, (3, W), generator=gen)
+    window[:, 0] = last
+    lens = torch.tensor([W, 2, 3], dtype=torch.int32)
+    q = torch.softmax(torch.randn(3, K_DRAFTS, V, generator=gen) * 3, -1)
+    s = torch.tensor(slots, dtype=torch.int32)
+    for bad in (q * 2, -q, torch.zeros_like(q), q.long()):
+        with pytest.raises(ValueError, match="draft_probs"):
+            runner.step(window, lens, s, nct, draft_probs=bad)
+    runner._check_vocab()  # its padding-only probe draws random numbers: take it out of the comparison
+    torch.manual_seed(7)
+    got, n = (t.clone() for t in runner.step(window, lens, s, nct, draft_probs=q))
+    md = RecoverSSMMetadata.uniform_verify(torch.tensor([*slots, -1], dtype=torch.int32),
+                                           torch.tensor([*nct.tolist(), 0], dtype=torch.int32),
+                                           torch.arange(5, dtype=torch.int32) * W, W)
+    full = torch.cat([window, torch.zeros(1, W, dtype=torch.int64)])
+    with torch.no_grad():
+        logits = twin(full.reshape(-1), md, tpool).view(4, W, V)
+    torch.manual_seed(7)
+    want, m = rejection_sample_accept(full, torch.cat([lens, torch.zeros(1, dtype=torch.int32)]), logits,
+                                      torch.cat([q, torch.full((1, K_DRAFTS, V), 1.0 / V)]), 0.8)
+    assert torch.equal(got, want[:3]) and torch.equal(n, m[:3])
+    impossible = q.clone()
+    impossible[0, 0, window[0, 1]] = 0.0
+    impossible[0, 0] /= impossible[0, 0].sum()
+    _, n0 = runner.step(window, lens, s, nct + n, draft_probs=impossible, validate=False)
+    assert int(n0[0]) == 1  # the first draft of row 0 is rejected, whatever p says
+
+
+def test_compile_step_refuses_a_generator_and_a_bad_temperature():
+    model = _stack("cpu")
+    pool = _pool(model, "cpu")
+    with pytest.raises(ValueError, match="generator"):
+        compile_step(model, pool, generator=torch.Generator())
+    with pytest.raises(ValueError, match="temperature"):
+        compile_step(model, pool, temperature=0.0)
