@@ -24,3 +24,15 @@ def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:
     png_path = out_dir / f"{stem}.png"
     if save_plot(res, png_path):
         print(f"wrote {png_path}")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None (saying so) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    return plt

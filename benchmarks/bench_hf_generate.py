@@ -13,7 +13,7 @@ seen) and as the median of ``--repeats`` timed calls:
 2. ``hf-torch``: the same, with transformers' PyTorch reference functions (the modeling
    modules' ``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``,
    ``causal_conv1d_fn``, ``causal_conv1d_update`` replaced by ``inspect.unwrap`` of themselves
-   for this run only, see :func:`hf_torch_kernels`): what plain transformers runs without
+   for this run only, see :func:`ssm_spec.hf.kernels.hf_reference_kernels`): what plain transformers runs without
    fla-core. Where ``hf`` already resolved to these functions (no fla-core, e.g. on CPU) it is
    the same path, run again, and the JSON says so (``hf_torch_same_as_hf``). ``--no-hf-torch``
    skips it;
@@ -61,7 +61,6 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
-import inspect
 import math
 import platform
 import statistics
@@ -70,7 +69,9 @@ import time
 from pathlib import Path
 
 import torch
-from _results import HelpFormatter, write_results
+from _results import HelpFormatter, pyplot, write_results
+
+from ssm_spec.hf.kernels import hf_reference_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNS = ("hf", "hf-torch", "ours", "ours+lookup")
@@ -82,11 +83,6 @@ RUN_TITLES = {
 }
 #: The baselines the speedups are reported over.
 BASELINES = ("hf", "hf-torch")
-#: transformers' modeling modules with GDN layers, and the module-level functions their forward
-#: looks up at call time (bound to fla-core / causal-conv1d kernels where installed).
-HF_MODELING = ("qwen3_next", "qwen3_5")
-HF_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                       "causal_conv1d_update")
 SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
 
 #: Widths of the default (H200) model and of ``--quick``.
@@ -197,34 +193,6 @@ def kernel_sources(model) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def hf_torch_kernels():
-    """Run transformers' GDN layers on their PyTorch reference functions inside the block.
-
-    Each of ``HF_KERNEL_FUNCTIONS`` in the ``HF_MODELING`` modules is a wrapper
-    (``use_kernel_func_from_hub_with_fallback``) dispatching to fla-core / causal-conv1d where
-    installed; it is replaced by ``inspect.unwrap`` of itself (transformers' own function) and put
-    back on exit, also on an error. The layers look these names up at call time, so this applies
-    to a model already built. Yields the ``model.function`` names replaced."""
-    saved = []
-    try:
-        for name in HF_MODELING:
-            try:
-                mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-            except ImportError:
-                continue
-            for fn in HF_KERNEL_FUNCTIONS:
-                wrapped = getattr(mod, fn, None)
-                if wrapped is None or inspect.unwrap(wrapped) is wrapped:
-                    continue
-                saved.append((mod, fn, wrapped))
-                setattr(mod, fn, inspect.unwrap(wrapped))
-        yield [f"{mod.__name__.rsplit('.', 1)[-1].removeprefix('modeling_')}.{fn}" for mod, fn, _ in saved]
-    finally:
-        for mod, fn, wrapped in reversed(saved):
-            setattr(mod, fn, wrapped)
-
-
 def environment(device: torch.device) -> dict:
     env = {
         "python": platform.python_version(),
@@ -280,11 +248,11 @@ def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens
 
 
 def timed_generate_hf_torch(model, ids, clock, phases, hf_kernels: dict, **common) -> tuple[dict, dict]:
-    """``timed_generate`` of the unconverted model inside :func:`hf_torch_kernels`, and what it
+    """``timed_generate`` of the unconverted model inside :func:`ssm_spec.hf.kernels.hf_reference_kernels`, and what it
     ran on: the kernels (``kernel_sources`` inside the block), the functions replaced, and
     whether that is ``hf``'s path already (the same kernels: nothing but transformers' dispatch
     wrapper was taken away)."""
-    with hf_torch_kernels() as patched:
+    with hf_reference_kernels() as patched:
         kernels = kernel_sources(model)
         result = timed_generate(model, ids, clock, phases, "hf-torch", **common)
     return result, {"kernels": kernels, "patched": patched, "same_as_hf": kernels == hf_kernels}
@@ -569,12 +537,8 @@ def print_kernels(res: dict) -> None:
 
 
 def save_plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     c, k = res["config"], res["config"]["num_draft_tokens"]
     fig, (ax_g, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _results import HelpFormatter, write_results
+from _results import HelpFormatter, pyplot, write_results
 
 import ssm_spec  # noqa: F401  (registers torch.ops.ssm_spec.*)
 
@@ -723,12 +723,8 @@ def save_plot(res: dict, path: Path) -> bool:
     """One column per kernel: median time (top) and roofline fraction (bottom) vs batch, one
     colour per k; the last column holds the ratios (v + commit n=W) / snapshot and
     folded / snapshot."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     rows, c = res["rows"], res["config"]
     names = [n for n in (*KERNELS, *PEER_KERNELS) if any(n in r["kernels"] for r in rows)]

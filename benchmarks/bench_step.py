@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import HelpFormatter, write_results
+from _results import HelpFormatter, pyplot, write_results
 
 from graphs import SpecDecodeGraphRunner
 from graphs.stack import DecoderStack
@@ -176,12 +176,8 @@ def print_table(res: dict) -> None:
 
 
 def save_plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return False
     ks = res["config"]["k"]
     fig, axes = plt.subplots(1, len(ks), figsize=(4.5 * len(ks), 3.8), squeeze=False)

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, ops, tensorrt
-from ssm_spec.export import VerifyForward, example_inputs, export_verify
+from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, tensorrt
+from ssm_spec.export import VerifyForward, commit_records, example_inputs, export_verify
 
 
 @torch.no_grad()
@@ -38,15 +38,7 @@ def main(argv=None) -> int:
     print("exported program == eager on another batch shape:", same)
 
     n = torch.tensor([2, 1, 4, 3], dtype=torch.int32, device=args.device)  # accepted tokens per row
-    gi = ci = 0
-    for layer, rec in zip(verify.layers, records):  # the commit stays in PyTorch
-        if isinstance(layer, RecoverGatedDeltaNet):
-            ops.gdn_commit(gdn[gi], ops.ReplayRecord(*rec[:3]), qsl, slots, n)
-            ops.short_conv_commit(conv[ci], rec[3], qsl, slots, n)
-            gi, ci = gi + 1, ci + 1
-        else:
-            ops.short_conv_commit(conv[ci], rec[0], qsl, slots, n)
-            ci += 1
+    commit_records(verify, records, gdn, conv, qsl, slots, n)  # the commit stays in PyTorch
     print("committed", n.tolist(), "tokens per row")
 
     ok, why = tensorrt.available()

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modules import RecoverGatedDeltaNet, RecoverShortConv
+from .ops import ReplayRecord, gdn_commit, short_conv_commit
 
-__all__ = ["VerifyForward", "export_verify", "example_inputs"]
+__all__ = ["VerifyForward", "export_verify", "example_inputs", "commit_records"]
 
 
 class VerifyForward(nn.Module):
@@ -128,3 +129,33 @@ def export_verify(module: VerifyForward, args, *, strict: bool = False, dynamic:
         hidden, gdn, conv, _, _ = args
         shapes = ({0: T}, [None] * len(gdn), [None] * len(conv), {0: B}, {0: B + 1})
     return torch.export.export(module, tuple(args), dynamic_shapes=shapes, strict=strict)
+
+
+def commit_records(module: VerifyForward, records, gdn_states, conv_states, query_start_loc, state_indices,
+                   num_accepted_tokens, validate=None) -> None:
+    """Commit what a :class:`VerifyForward` (or its exported program) returned: every layer's
+    accepted tokens into ``gdn_states`` / ``conv_states`` (the same lists, in place), with
+    :func:`ssm_spec.ops.gdn_commit` and :func:`ssm_spec.ops.short_conv_commit` (``dst = src``).
+
+    Args:
+        module: the verify module (its layer order gives each record's meaning).
+        records: the second output of the verify.
+        gdn_states, conv_states, query_start_loc, state_indices: the verify's inputs.
+        num_accepted_tokens: ``[B]`` int32, ``0 <= n <= window length`` per row.
+        validate: the ops' host-side checks (``None``: on in eager).
+
+    Raises:
+        ValueError: what the commit ops raise; nothing of that op is written.
+    """
+    gi = ci = 0
+    for layer, rec in zip(module.layers, records):
+        if isinstance(layer, RecoverGatedDeltaNet):
+            gdn_commit(gdn_states[gi], ReplayRecord(*rec[:3]), query_start_loc, state_indices, num_accepted_tokens,
+                       validate=validate)
+            short_conv_commit(conv_states[ci], rec[3], query_start_loc, state_indices, num_accepted_tokens,
+                              validate=validate)
+            gi, ci = gi + 1, ci + 1
+        else:
+            short_conv_commit(conv_states[ci], rec[0], query_start_loc, state_indices, num_accepted_tokens,
+                              validate=validate)
+            ci += 1

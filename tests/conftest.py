@@ -31,8 +31,11 @@ def device(request):
 
 
 @pytest.fixture(autouse=True)
-def _hf_reference_kernels(monkeypatch):
-    """Hugging Face layers run their PyTorch reference path in every test (see helpers)."""
-    from tests.helpers import use_hf_torch_kernels
+def _hf_reference_kernels():
+    """Hugging Face layers run their PyTorch reference path in every test: transformers binds
+    them to fla-core where it is installed (the GPU machine), and fla's kernels would then run
+    on CPU tensors too (``ssm_spec.hf.kernels``)."""
+    from ssm_spec.hf.kernels import hf_reference_kernels
 
-    use_hf_torch_kernels(monkeypatch)
+    with hf_reference_kernels():
+        yield

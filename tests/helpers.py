@@ -136,32 +136,3 @@ def run_stack(layers, x, metadata, pool):
         for layer in layers:
             x = x + layer(x, metadata, pool)
     return x
-
-
-HF_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                       "causal_conv1d_update")
-
-
-def use_hf_torch_kernels(monkeypatch) -> list[str]:
-    """Make transformers' Qwen3-Next / Qwen3.5 GDN layers run their PyTorch reference functions.
-
-    transformers binds these functions at import time to fla-core / causal-conv1d when those are
-    installed (the GPU machine carries fla-core), and fla's kernels then run even on CPU tensors
-    and in TF32-free but differently-chunked arithmetic. The tests compare against Hugging Face's
-    own reference path instead, on every device. Returns the patched ``module.name`` entries.
-    """
-    import importlib
-    import inspect
-
-    patched = []
-    for name in ("qwen3_next", "qwen3_5"):
-        try:
-            mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        except ImportError:
-            continue
-        for fn in HF_KERNEL_FUNCTIONS:
-            wrapped = getattr(mod, fn, None)
-            if wrapped is not None and inspect.unwrap(wrapped) is not wrapped:
-                monkeypatch.setattr(mod, fn, inspect.unwrap(wrapped))
-                patched.append(f"{name}.{fn}")
-    return patched

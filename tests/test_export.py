@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit, ops
-from ssm_spec.export import VerifyForward, example_inputs, export_verify
+from ssm_spec.export import VerifyForward, commit_records, example_inputs, export_verify
 from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
 
 
@@ -65,15 +65,7 @@ def test_exported_records_commit_like_the_module_step(device):
         out, records = ep.module()(*args)
     n = i32(counts, device)
     gdn_c, conv_c = [s.clone() for s in gdn], [s.clone() for s in conv]
-    gi = ci = 0
-    for layer, rec in zip(module.layers, records):
-        if isinstance(layer, RecoverGatedDeltaNet):
-            ops.gdn_commit(gdn_c[gi], ops.ReplayRecord(*rec[:3]), qsl, slots, n)
-            ops.short_conv_commit(conv_c[ci], rec[3], qsl, slots, n)
-            gi, ci = gi + 1, ci + 1
-        else:
-            ops.short_conv_commit(conv_c[ci], rec[0], qsl, slots, n)
-            ci += 1
+    commit_records(module, records, gdn_c, conv_c, qsl, slots, n)
     pool = StatePool(list(module.layers), num_slots=6, max_tokens=8, device=device)
     gdn_in, conv_in = iter(gdn), iter(conv)
     for layer in module.layers:

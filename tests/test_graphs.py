@@ -200,6 +200,25 @@ def test_200_steps_with_random_acceptance_equal_the_eager_loop(device):
         assert made[b] == plain[b][:len(made[b])]
 
 
+def _side_by_side(r1, r2, slots, last, nct, steps, seed):
+    """Drive two runners with the same random windows for ``steps`` steps; every step's
+    tokens and counts must agree. Returns the final ``num_computed_tokens``."""
+    device = r1.device
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.tensor(slots, dtype=torch.int32, device=device)
+    B = len(slots)
+    for _ in range(steps):
+        lens = torch.randint(1, W + 1, (B,), generator=gen, dtype=torch.int32).to(device)
+        window = torch.randint(0, V, (B, W), generator=gen).to(device)
+        window[:, 0] = last
+        a, n = (t.clone() for t in r1.step(window, lens, s, nct.to(device)))
+        b, m = r2.step(window, lens, s, nct.to(device))
+        assert torch.equal(a, b) and torch.equal(n, m)
+        nct = nct + n.cpu()
+        last = a.gather(1, (n.long() - 1)[:, None])[:, 0]
+    return nct
+
+
 def test_snapshot_mode_gives_the_same_tokens(device):
     model = _stack(device, seed=2)
     pools = {False: _pool(model, device), True: None}
@@ -212,17 +231,7 @@ def test_snapshot_mode_gives_the_same_tokens(device):
         a[:, :SLOTS].copy_(b[:, :SLOTS])
     r_ours = SpecDecodeGraphRunner(model, pools[False], K_DRAFTS, V, buckets=(2,))
     r_snap = SpecDecodeGraphRunner(twin, snap_pool, K_DRAFTS, V, buckets=(2,))
-    gen = torch.Generator().manual_seed(0)
-    slots_t = torch.tensor(slots, dtype=torch.int32, device=device)
-    for _ in range(20):
-        lens = torch.randint(1, W + 1, (2,), generator=gen, dtype=torch.int32).to(device)
-        window = torch.randint(0, V, (2, W), generator=gen).to(device)
-        window[:, 0] = last
-        a, n = (t.clone() for t in r_ours.step(window, lens, slots_t, nct.to(device)))
-        b, m = r_snap.step(window, lens, slots_t, nct.to(device))
-        assert torch.equal(a, b) and torch.equal(n, m)
-        nct = nct + n.cpu()
-        last = a.gather(1, (n.long() - 1)[:, None])[:, 0]
+    _side_by_side(r_ours, r_snap, slots, last, nct, 20, seed=0)
 
 
 def test_folded_pool_runner_equals_the_separate_commit(device):
@@ -239,17 +248,7 @@ def test_folded_pool_runner_equals_the_separate_commit(device):
         a.copy_(b)
     plain = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(1, 4))
     folded = SpecDecodeGraphRunner(twin, fpool, K_DRAFTS, V, buckets=(1, 4))
-    gen = torch.Generator().manual_seed(4)
-    s = torch.tensor(slots, dtype=torch.int32, device=device)
-    for _ in range(25):
-        lens = torch.randint(1, W + 1, (3,), generator=gen, dtype=torch.int32).to(device)
-        window = torch.randint(0, V, (3, W), generator=gen).to(device)
-        window[:, 0] = last
-        a, n = (t.clone() for t in plain.step(window, lens, s, nct.to(device)))
-        b, m = folded.step(window, lens, s, nct.to(device))
-        assert torch.equal(a, b) and torch.equal(n, m)
-        nct = nct + n.cpu()
-        last = a.gather(1, (n.long() - 1)[:, None])[:, 0]
+    _side_by_side(plain, folded, slots, last, nct, 25, seed=4)
     fpool.flush()
     for x, y in zip(_recurrent(fpool), _recurrent(pool)):
         assert same_bits(x, y)
