@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
@@ -40,6 +40,12 @@ for part in $PARTS; do
     bench-step)  # captured step: RecoverSSM vs snapshot vs folded, B 1..256, k 1 3 5
       python3 benchmarks/bench_step.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_step.log"
       summary+=("bench step: $OUT/bench_step.log")
+      ;;
+    tune)  # the shared GDN tile configuration: verify / commit / snapshot times and bit identity per (BV, warps)
+      for k in 1 3; do
+        python3 scripts/tune_gdn.py --k $k --out "$OUT/tune_gdn_k$k.json" 2>&1 | tee "$OUT/tune_gdn_k$k.log"
+        summary+=("tune k=$k: $(tail -n 3 "$OUT/tune_gdn_k$k.log" | head -n 2 | tr '\n' ';')")
+      done
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64
       python3 examples/compile_graph_capture.py --json "$OUT/graphs_step.json" 2>&1 | tee "$OUT/graphs_step.log"

@@ -1,0 +1,159 @@
+"""Sweep the shared GDN tile configuration (BV, num_warps) for verify, commit and the snapshot.
+
+The three kernels share one inner update, and bit identity (commit == the snapshot's state
+at every accepted count) holds for the configuration they share (ssm_spec/ops/gdn/inner.py);
+the performance issue asks to tune them together, by measurement, with no autotuner (the
+kernels mutate state). For each candidate ``(BK = next_pow2(K), BV, num_warps)`` this
+measures, at one batch and window, the median time of verify, commit (n = W) and snapshot
+(CUDA graphs over rotating slot sets, L2 flushed: ``benchmarks/bench_ops.Timer``), checks
+``commit == snapshot`` bitwise for every count 0..W on a small batch with that same
+configuration, and prints the table and the fastest identical configuration for
+``verify + commit`` (and, separately, for the snapshot's own best, which the benchmark uses
+for a fair baseline).
+
+    python scripts/tune_gdn.py                         # H200: B=64, k=3, fp32 state
+    python scripts/tune_gdn.py --batch 32 --k 1 --state-dtype bfloat16
+    TRITON_INTERPRET=1 python scripts/tune_gdn.py --device cpu   # smoke test (tiny, CPU)
+
+Results go to ``--out`` as JSON; the winner is to be written into ``gdn_tile_config`` by hand,
+with the run that chose it noted in docs/perf-notes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_ops import Shape, Timer, aligned_rows  # noqa: E402
+
+from ssm_spec.ops.gdn.commit import launch_gdn_commit  # noqa: E402
+from ssm_spec.ops.gdn.inner import next_power_of_2  # noqa: E402
+from ssm_spec.ops.gdn.verify import launch_gdn_window  # noqa: E402
+
+
+def candidates(K: int, V: int):
+    bk = next_power_of_2(K)
+    for bv in (8, 16, 32, 64, 128):
+        if bv > next_power_of_2(V) or bk * bv > 16384:
+            continue
+        for warps in (1, 2, 4, 8):
+            yield bk, bv, warps
+
+
+def inputs(shape: Shape, B: int, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    H, HV, K, V, W = shape.H, shape.HV, shape.K, shape.V, shape.W
+    T = B * W
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    q, k = rnd(T, H, K).to(shape.act_dtype), rnd(T, H, K).to(shape.act_dtype)
+    v = rnd(T, HV, V).to(shape.act_dtype)
+    g = -torch.nn.functional.softplus(rnd(T, HV))
+    beta = torch.sigmoid(rnd(T, HV)).to(shape.act_dtype)
+    return q, k, v, g, beta
+
+
+def identical(shape: Shape, config, device) -> bool:
+    """commit (every n in 0..W) == the snapshot's state after n tokens, bitwise, with ``config``."""
+    B, W = 3, shape.W
+    args = inputs(shape, B, device, seed=1)
+    T = B * W
+    pool = (torch.randn(B + T + 1, shape.HV, shape.K, shape.V) * 0.5).to(device=device, dtype=shape.state_dtype)
+    i32 = dict(dtype=torch.int32, device=device)
+    src = torch.arange(B, **i32)
+    qsl = torch.arange(B + 1, **i32) * W
+    out = torch.empty(T, shape.HV, shape.V, dtype=shape.act_dtype, device=device)
+    rec = (torch.empty(T, shape.HV, shape.V, device=device), torch.empty(T, shape.H, shape.K, device=device),
+           torch.empty(T, shape.HV, device=device))
+    launch_gdn_window(*args, pool, src, qsl, None, out, rec, shape.K**-0.5, True, config=config)
+    snaps = pool.clone()
+    launch_gdn_window(*args, snaps, src, qsl, torch.arange(B, B + T, **i32), out.clone(), None, shape.K**-0.5, True,
+                      config=config)
+    none = torch.empty(B, 0, **i32)
+    for n in range(W + 1):
+        work = pool.clone()
+        counts = torch.full((B,), n, **i32)
+        launch_gdn_commit(work, *rec, qsl, src, counts, src, none, none, config=config)
+        for b in range(B):
+            want = snaps[B + b * W + n - 1] if n else pool[b]
+            if not torch.equal(work[b], want):
+                return False
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--value-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=None, help="K = V (default 128; cpu: 16)")
+    p.add_argument("--out", type=Path, default=Path("/tmp/tune_gdn.json"))
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    dim = args.head_dim or (128 if dev.type == "cuda" else 16)
+    batch = args.batch if dev.type == "cuda" else 2
+    shape = Shape(args.heads if dev.type == "cuda" else 2, args.value_heads if dev.type == "cuda" else 4, dim, dim,
+                  args.k + 1, getattr(torch, args.state_dtype), torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    timer = Timer(dev, "graph" if dev.type == "cuda" else "eager", 25, 100, 16, 1)
+    W, T = shape.W, batch * shape.W
+    n_sets = 8 if dev.type == "cuda" else 1
+    pool = torch.randn(n_sets * batch * (W + 1), shape.HV, shape.K, shape.V, device=dev).to(shape.state_dtype)
+    i32 = dict(dtype=torch.int32, device=dev)
+    base = torch.arange(n_sets, **i32)[:, None] * (batch * (W + 1))
+    src = aligned_rows(base + torch.arange(batch, **i32))
+    snap = aligned_rows(base + batch + torch.arange(T, **i32))
+    qsl = torch.arange(batch + 1, **i32) * W
+    act = inputs(shape, batch, dev)
+    out = torch.empty(T, shape.HV, shape.V, dtype=shape.act_dtype, device=dev)
+    rec = (torch.empty(T, shape.HV, shape.V, device=dev), torch.empty(T, shape.H, shape.K, device=dev),
+           torch.empty(T, shape.HV, device=dev))
+    n_all = torch.full((batch,), W, **i32)
+    none = torch.empty(batch, 0, **i32)
+    rows = []
+    for cfg in candidates(shape.K, shape.V):
+        try:
+            ok = identical(shape, cfg, dev)
+            calls = {
+                "verify": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec, shape.K**-0.5,
+                                                             True, config=c),
+                "commit": lambda i, c=cfg: launch_gdn_commit(pool, *rec, qsl, src[i], n_all, src[i], none, none,
+                                                             config=c),
+                "snapshot": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, snap[i], out, None,
+                                                               shape.K**-0.5, True, config=c),
+            }
+            times = {name: timer.time_call(call, n_sets)[0] for name, call in calls.items()}
+        except Exception as exc:  # a configuration Triton cannot compile (registers, shared memory)
+            print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]}: failed ({type(exc).__name__}: {exc})")
+            continue
+        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "identical": ok, **{f"{k}_us": v for k, v in times.items()},
+               "verify+commit_us": times["verify"] + times["commit"]}
+        rows.append(row)
+        print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} | verify {times['verify']:9.2f} commit "
+              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok}", flush=True)
+    good = [r for r in rows if r["identical"]]
+    best = min(good, key=lambda r: r["verify+commit_us"]) if good else None
+    best_snap = min(rows, key=lambda r: r["snapshot_us"]) if rows else None
+    if best:
+        print(f"fastest identical for verify + commit: BV={best['BV']} warps={best['num_warps']} "
+              f"({best['verify+commit_us']:.2f} us; snapshot there {best['snapshot_us']:.2f} us)")
+    if best_snap:
+        print(f"snapshot's own fastest: BV={best_snap['BV']} warps={best_snap['num_warps']} "
+              f"({best_snap['snapshot_us']:.2f} us)")
+    args.out.write_text(json.dumps({"device": str(dev), "batch": batch, "k": args.k, "state_dtype": args.state_dtype,
+                                    "H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V, "rows": rows,
+                                    "best": best, "best_snapshot": best_snap}, indent=1))
+    print(f"wrote {args.out}")
+    return 0 if best else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
