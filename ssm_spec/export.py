@@ -36,6 +36,10 @@ class VerifyForward(nn.Module):
     and ``(x,)`` for a short conv. Each layer adds its output to the residual stream
     (``x + layer(x)``). Tokens outside every window come out of every layer as 0.
 
+    Unlike the modules' step it zeroes no state: a fresh request's slots must hold zeros
+    before its first verify (prefill runs through the modules, or the engine zeroes slots it
+    admits).
+
     Args:
         layers: the stack's ``RecoverGatedDeltaNet`` / ``RecoverShortConv`` modules (their
             parameters are shared, not copied).
@@ -113,8 +117,10 @@ def example_inputs(module: VerifyForward, num_slots: int, lengths, device=None, 
 
 def export_verify(module: VerifyForward, args, *, strict: bool = False, dynamic: bool = True):
     """``torch.export.export`` of ``module`` on ``args`` (as :func:`example_inputs` builds
-    them), with the token dim ``T`` and the batch dim ``B`` dynamic (``query_start_loc`` has
-    ``B + 1`` entries) unless ``dynamic=False``.
+    them), with the token dim ``T``, the batch dim ``B`` (``query_start_loc`` has ``B + 1``
+    entries) and the pools' slot count ``S`` dynamic, each from 1 up, unless ``dynamic=False``.
+    The example should have ``T, B, S >= 2`` (torch.export specialises sizes 0 and 1 of an
+    example).
 
     Returns:
         the ``torch.export.ExportedProgram``; ``.module()`` runs it.
@@ -124,10 +130,11 @@ def export_verify(module: VerifyForward, args, *, strict: bool = False, dynamic:
     """
     shapes = None
     if dynamic:
-        T = torch.export.Dim("T", min=2)
-        B = torch.export.Dim("B", min=2)
+        T = torch.export.Dim("T", min=1)
+        B = torch.export.Dim("B", min=1)
+        S = torch.export.Dim("S", min=1)  # every pool has the same slot count
         hidden, gdn, conv, _, _ = args
-        shapes = ({0: T}, [None] * len(gdn), [None] * len(conv), {0: B}, {0: B + 1})
+        shapes = ({0: T}, [{0: S}] * len(gdn), [{0: S}] * len(conv), {0: B}, {0: B + 1})
     return torch.export.export(module, tuple(args), dynamic_shapes=shapes, strict=strict)
 
 

@@ -70,7 +70,10 @@ class StatePool:
             double-buffered. Every slot with a pending window must be verified by the next
             step or flushed first (:meth:`flush`, e.g. when its request finishes or is
             preempted, or before reading its state); :meth:`discard` drops pending windows.
-            Conv states commit immediately as usual. Not with ``snapshot`` or align mode.
+            Conv states commit immediately as usual. Not with ``snapshot`` or align mode. The
+            host-side checks (a step that skips a pending slot, a prefill continuing from one)
+            run while every commit validates (the eager default); a commit without validation
+            (captured or compiled steps) turns them off.
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
@@ -213,22 +216,35 @@ class StatePool:
 
     def fold_plan(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's
-        verify rows (0 for padding and prefill rows), computed on the device once per step.
+        verify rows (0 for padding and prefill rows), computed on the device once per step
+        (the layers call it before they write anything).
+
+        Taking the plan hands the verified rows' pending windows to this step: their counts are
+        cleared at once, so a :meth:`flush` before the step's commit cannot commit them twice.
+        A fresh request's slot (a verify row with ``num_computed_tokens == 0``, or a prefill row
+        from the zero state) drops whatever window a finished request left pending there.
 
         Raises:
-            ValueError: (host mirror known, i.e. the last commits validated) a prefill row on a
-                slot with a pending window, which must be flushed first.
+            ValueError: a prefill row continuing from a slot with a pending window (flush it
+                first); detected while the host mirror is known, i.e. while commits validate.
+                Raised before anything is written.
         """
         if self._plan is not None and self._plan[0] is metadata:
             return self._plan[1]
         if self._pending_host:
             for row in metadata.prefill_rows:
-                for slot in (row.src, row.dst):
-                    if slot in self._pending_host:
-                        raise ValueError(f"StatePool: slot {slot} has a pending window (folded mode) and a prefill "
-                                         f"row of this step writes it; flush it first (pool.flush([{slot}]))")
+                if row.src >= 0 and row.src in self._pending_host:
+                    raise ValueError(f"StatePool: slot {row.src} has a pending window (folded mode) and a prefill "
+                                     f"row of this step continues from it; flush it first "
+                                     f"(pool.flush([{row.src}]))")
+        fresh = [row.dst for row in metadata.prefill_rows if row.src < 0]
+        if fresh:
+            self.discard(fresh)
+        if metadata.fresh_slots.numel():
+            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
         idx = self._sink(metadata.verify_indices)
-        plan = (self.pending_start[idx], self.pending_count[idx])
+        plan = (self.pending_start[idx], self.pending_count[idx])  # gathered copies
+        self.pending_count.index_fill_(0, idx, 0)  # handed to this step's verify
         self._plan = (metadata, plan)
         return plan
 
@@ -270,9 +286,10 @@ class StatePool:
     @torch.no_grad()
     def flush(self, slots=None) -> None:
         """Folded mode: commit the pending windows of ``slots`` (default: every slot) into their
-        states now, one launch per GDN layer. Call it between a commit and the next step's
-        forward (or, for slots the current step did not verify, before its commit), e.g. for
-        requests that finish or are preempted, or before reading a state.
+        states now, one launch per GDN layer. Any time outside a step's forward: between steps,
+        or between a step's forward and its commit (the rows that step verifies have handed
+        their windows to it already), e.g. for requests that finish or are preempted, or
+        before reading a state.
 
         Args:
             slots: slot numbers (list or int tensor); ``None``: all.
@@ -289,6 +306,7 @@ class StatePool:
         slots = torch.as_tensor(slots, device=self.device).to(torch.int32).reshape(-1)
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
             raise ValueError(f"StatePool.flush: slots: got {slots.tolist()}; expected 0..{self.num_slots - 1}")
+        slots = torch.unique(slots)  # a slot named twice is committed once
         B = slots.numel()
         if B == 0:
             return
@@ -311,14 +329,19 @@ class StatePool:
 
     def discard(self, slots=None) -> None:
         """Folded mode: drop the pending windows of ``slots`` (default: all) without committing
-        them (a finished request whose state is not kept). No host sync."""
+        them (a finished request whose state is not kept; a slot handed to a new request).
+
+        Raises:
+            ValueError: a slot outside ``0..num_slots - 1`` (one host read for a tensor).
+        """
         if slots is None:
             self.pending_count.zero_()
             if self._pending_host is not None:
                 self._pending_host = set()
             return
-        self.pending_count.index_fill_(0, torch.as_tensor(slots, device=self.device).long().reshape(-1), 0)
-        if isinstance(slots, torch.Tensor):
-            self._pending_host = None  # not read back: the mirror is unknown from here on
-        elif self._pending_host is not None:
-            self._pending_host -= {int(s) for s in slots}
+        idx = torch.as_tensor(slots, device=self.device).long().reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
+            raise ValueError(f"StatePool.discard: slots: got {idx.tolist()}; expected 0..{self.num_slots - 1}")
+        self.pending_count.index_fill_(0, idx, 0)
+        if self._pending_host is not None:
+            self._pending_host -= set(idx.tolist())

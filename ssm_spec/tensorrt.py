@@ -91,8 +91,18 @@ def compile_verify(exported_program, inputs, *, use_plugins: bool = True, **comp
                                                        for op in FUNCTIONAL_VERIFY_OPS}
     in_pytorch = {f"torch.ops.ssm_spec.{op}.default" for op, where in placement.items() if where != "plugin"}
     compile_kwargs.setdefault("min_block_size", 1)
-    module = torch_tensorrt.dynamo.compile(exported_program, inputs=inputs, torch_executed_ops=in_pytorch,
-                                           **compile_kwargs)
+    try:
+        module = torch_tensorrt.dynamo.compile(exported_program, inputs=inputs, torch_executed_ops=in_pytorch,
+                                               **compile_kwargs)
+    except Exception as exc:
+        if len(in_pytorch) == len(FUNCTIONAL_VERIFY_OPS):
+            raise
+        # a registered plugin that fails to convert inside the engine: every op to PyTorch
+        placement = {op: f"pytorch: its plugin failed to convert ({type(exc).__name__}: {exc})"
+                     if where == "plugin" else where for op, where in placement.items()}
+        module = torch_tensorrt.dynamo.compile(
+            exported_program, inputs=inputs,
+            torch_executed_ops={f"torch.ops.ssm_spec.{op}.default" for op in FUNCTIONAL_VERIFY_OPS}, **compile_kwargs)
     return module, placement
 
 
@@ -100,9 +110,11 @@ def capture_verify_and_commit(verify: Callable, commit: Callable, static_args, w
     """Capture ``records = verify(*static_args)`` then ``commit(records)`` in one CUDA graph.
 
     ``verify`` is the compiled verify (or any capture-safe callable), ``commit`` writes the
-    pool from its outputs (e.g. ``ssm_spec.ops.gdn_commit`` with ``validate=False`` on
-    device-side counts). Inputs must stay in ``static_args`` (copy new values into them
-    between replays).
+    pool from its outputs (e.g. :func:`ssm_spec.export.commit_records` with ``validate=False``
+    on device-side counts). Inputs must stay in ``static_args`` (copy new values into them
+    between replays). The warm-up runs ``verify`` only (a commit would change the pool): run
+    one real step's ``commit`` eagerly before capturing, so its kernels are compiled, since
+    compiling inside a capture fails.
 
     Returns:
         ``(graph, outputs)``: replay with ``graph.replay()``; ``outputs`` are the captured

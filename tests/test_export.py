@@ -37,8 +37,9 @@ def test_export_with_dynamic_dims_equals_eager(device, strict, which):
     for n in nodes:  # fake shapes: every output's token dim is the symbolic T, the rest concrete
         for o in n.meta["val"]:
             assert str(o.shape[0]) == str(sym_T) and all(isinstance(d, int) for d in o.shape[1:])
-    for lengths, seed in (([3, 1, 4], 0), ([2, 5, 1, 3, 6], 1), ([7, 2], 2)):  # other T and B
-        new = example_inputs(module, 6, lengths, device=device, seed=seed)
+    for slots_, lengths, seed in ((6, [3, 1, 4], 0), (6, [2, 5, 1, 3, 6], 1), (6, [7, 2], 2), (64, [1], 3),
+                                  (3, [4], 4)):  # other T, B (1 included) and pool sizes S
+        new = example_inputs(module, slots_, lengths, device=device, seed=seed)
         with torch.no_grad():
             got = ep.module()(*new)
             want = module(*new)

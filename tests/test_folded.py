@@ -194,3 +194,91 @@ def test_folded_pool_rejects_snapshot_and_flush_on_plain_pools(device):
         StatePool(layers, num_slots=2, max_tokens=4, device=device, snapshot=True, folded=True)
     with pytest.raises(ValueError, match="folded pool"):
         StatePool(layers, num_slots=2, max_tokens=4, device=device).flush()
+
+
+def _step(layers, pools, order, lens, done, n, device, gen, prefill=None, validate=True):
+    """One step on every pool (same inputs): forward, then commit ``n``; returns the outputs."""
+    from ssm_spec import RecoverSSMMetadata, commit
+    pre = prefill or [False] * len(order)
+    md = RecoverSSMMetadata.build(lens, pre, [done.get(s, 0) for s in order], order, num_slots=6, device=device)
+    x = torch.randn(sum(lens), 32, generator=gen).to(device)
+    outs = [run_stack(layers, x, md, pool) for pool in pools]
+    for pool in pools:
+        commit(pool, md, i32(n, device), validate=validate)
+    for s, c, L, p in zip(order, n, lens, pre):
+        done[s] = done.get(s, 0) + (L if p else c)
+    return outs
+
+
+def _same_states(a, b):
+    return all(same_bits(x, y) for x, y in zip(_gdn_states(a), _gdn_states(b)))
+
+
+def test_flush_is_safe_mid_step_and_with_repeated_slots(device):
+    """flush() between a step's forward and its commit commits only what that step did not
+    take over; a slot named twice is committed once."""
+    from ssm_spec import RecoverSSMMetadata, commit
+    layers, (plain, folded) = _pair(device)
+    gen = torch.Generator().manual_seed(5)
+    done = {4: 8, 1: 12}
+    _step(layers, (plain, folded), [4, 1], [3, 2], done, [2, 1], device, gen)
+    md = RecoverSSMMetadata.build([4], [False], [done[4]], [4], num_slots=6, device=device)
+    x = torch.randn(4, 32, generator=gen).to(device)
+    assert same_bits(run_stack(layers, x, md, folded), run_stack(layers, x, md, plain))
+    folded.flush()  # slot 1 (not in this step) is committed; slot 4's window went to the verify
+    folded.flush([1, 1])
+    for pool in (plain, folded):
+        commit(pool, md, i32([3], device))
+    folded.flush([4, 4])
+    assert _same_states(folded, plain)
+
+
+def test_a_refused_prefill_writes_nothing_and_the_retry_is_exact(device):
+    layers, (plain, folded) = _pair(device)
+    gen = torch.Generator().manual_seed(6)
+    done = {4: 8, 1: 12}
+    _step(layers, (plain, folded), [4, 1], [3, 2], done, [2, 2], device, gen)
+    before = [t.clone() for t in _gdn_states(folded)]
+    with pytest.raises(ValueError, match="pending window"):  # slot 1 continues its prefill
+        _step(layers, (folded,), [4, 1], [2, 3], dict(done), [1, 0], device, torch.Generator().manual_seed(7),
+              prefill=[False, True])
+    assert all(same_bits(a, b) for a, b in zip(_gdn_states(folded), before))  # conv states included
+    folded.flush([1])
+    _step(layers, (plain, folded), [4, 1], [2, 3], done, [1, 0], device, torch.Generator().manual_seed(7),
+          prefill=[False, True])
+    folded.flush()
+    assert _same_states(folded, plain)
+
+
+@pytest.mark.parametrize("fresh", ["prefill", "verify"])
+def test_a_fresh_request_drops_the_window_its_slot_had_pending(device, fresh):
+    """A request finishes on slot 1 without a flush and unvalidated commits (no host checks),
+    then a new request takes slot 1 (a prefill from zeros, or a verify from zeros): the old
+    window is never committed onto the new state."""
+    layers, (plain, folded) = _pair(device)
+    gen = torch.Generator().manual_seed(8)
+    done = {4: 8, 1: 12}
+    _step(layers, (plain, folded), [4, 1], [3, 3], done, [2, 3], device, gen, validate=False)
+    done[1] = 0  # slot 1 now belongs to a new request
+    if fresh == "prefill":
+        _step(layers, (plain, folded), [4, 1], [2, 5], done, [2, 0], device, gen, prefill=[False, True],
+              validate=False)
+    else:
+        _step(layers, (plain, folded), [4, 1], [2, 3], done, [2, 2], device, gen, validate=False)
+    _step(layers, (plain, folded), [1, 4], [3, 2], done, [3, 1], device, gen, validate=False)
+    folded.flush()
+    assert _same_states(folded, plain)
+
+
+def test_discard_drops_a_pending_window(device):
+    layers, (plain, folded) = _pair(device)
+    before = [t.clone() for t in _gdn_states(folded)]
+    gen = torch.Generator().manual_seed(9)
+    _step(layers, (folded,), [4, 1], [3, 3], {4: 8, 1: 12}, [2, 3], device, gen)
+    folded.discard([1, 4])
+    folded.flush()
+    gdn_now, gdn_before = _gdn_states(folded)[0], before[0]
+    assert same_bits(gdn_now[:, [1, 4]], gdn_before[:, [1, 4]])  # the recurrent states: never committed
+    for bad in ([6], [-1]):
+        with pytest.raises(ValueError, match="discard"):
+            folded.discard(bad)

@@ -164,6 +164,11 @@ class RecoverGatedDeltaNet(nn.Module):
                 pool does not hold. Raised before anything is written.
         """
         check_inference("RecoverGatedDeltaNet", hidden, self)
+        fold = None
+        if pool.folded:  # before anything is written: these may refuse the step
+            if metadata.align:
+                raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
+            fold = pool.fold_plan(metadata)
         T = hidden.shape[0]
         H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)
@@ -177,13 +182,9 @@ class RecoverGatedDeltaNet(nn.Module):
         state = pool.gdn_state(self)
         core = torch.zeros((T, HV, V), dtype=v.dtype, device=v.device)
         scale = K**-0.5
-        if pool.folded and metadata.align:
-            raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
         if metadata.has_verify:
             if metadata.fresh_slots.numel():
                 state.index_fill_(0, metadata.fresh_slots.long(), 0)
-                if pool.folded:  # a fresh request inherits no pending window
-                    pool.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
             span = metadata.verify_span  # the ops run on the tokens the verify windows span
             args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
                     metadata.verify_query_start_loc)
@@ -193,12 +194,10 @@ class RecoverGatedDeltaNet(nn.Module):
             elif pool.folded:  # commit the previous step's window on the way, then verify
                 rec = pool.gdn_record(self, span.stop - span.start)
                 _eager.call("gdn_folded_verify", *args, core[span], rec.u, rec.k, rec.decay,
-                            *pool.gdn_prev_record(self), *pool.fold_plan(metadata), scale, True)
+                            *pool.gdn_prev_record(self), *fold, scale, True)
             else:
                 rec = pool.gdn_record(self, span.stop - span.start)
                 _eager.call("gdn_verify", *args, core[span], rec.u, rec.k, rec.decay, scale, True)
-        if pool.folded and metadata.prefill_rows:
-            pool.fold_plan(metadata)  # raises if a prefill row writes a slot with a pending window
         for row in metadata.prefill_rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)
