@@ -149,13 +149,16 @@ class SpecDecodeGraphRunner:
         raise ValueError(f"SpecDecodeGraphRunner: batch: got {batch} rows; expected 1..{self.buckets[-1]}")
 
     # ------------------------------------------------------------------ capture
-    def _pad_all(self) -> None:
-        self.window_tokens.fill_(self.pad_token)
-        self.window_lens.zero_()
-        self.state_indices.fill_(NULL_SLOT)
-        self.num_computed_tokens.zero_()
+    def _pad(self, start: int = 0, stop: int | None = None) -> None:
+        """Make rows ``[start, stop)`` of the static inputs padding: a ``NULL_SLOT`` row with a
+        zero-length window (reads and writes nothing)."""
+        rows = slice(start, stop)
+        self.window_tokens[rows].fill_(self.pad_token)
+        self.window_lens[rows].zero_()
+        self.state_indices[rows].fill_(NULL_SLOT)
+        self.num_computed_tokens[rows].zero_()
         if self.sampling:
-            self.draft_probs.fill_(1.0 / self.vocab_size)
+            self.draft_probs[rows].fill_(1.0 / self.vocab_size)
 
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> SpecDecodeGraphRunner:
@@ -174,7 +177,7 @@ class SpecDecodeGraphRunner:
             return self
         parity = self.pool.record_parity  # warm-ups and captures swap a folded pool's records
         self._check_vocab()
-        self._pad_all()
+        self._pad()
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -242,23 +245,16 @@ class SpecDecodeGraphRunner:
         logits are not ``vocab_size`` wide fails here, not in the middle of a real step."""
         if self._vocab_checked:
             return
-        saved = [t.clone() for t in self._inputs()]
         parity = self.pool.record_parity
-        self._pad_all()
+        self._pad()  # callers load their rows afterwards
         try:
             self._body(self.buckets[0])
         except ValueError as exc:
             raise ValueError(f"SpecDecodeGraphRunner: {exc}") from None
         finally:
-            for t, v in zip(self._inputs(), saved):
-                t.copy_(v)
             if self.pool.folded:  # the probe's commit swapped the record buffers: undo it
                 self.pool.set_record_parity(parity)
         self._vocab_checked = True
-
-    def _inputs(self):
-        return [t for t in (self.window_tokens, self.window_lens, self.state_indices, self.num_computed_tokens,
-                            self.draft_probs) if t is not None]
 
     # ------------------------------------------------------------------ a step
     def _check(self, window_tokens, window_lens, state_indices, num_computed_tokens, draft_probs) -> None:
@@ -378,15 +374,10 @@ class SpecDecodeGraphRunner:
         self.window_lens[:B].copy_(window_lens)
         self.state_indices[:B].copy_(state_indices)
         self.num_computed_tokens[:B].copy_(num_computed_tokens)
-        if bucket > B:
-            self.window_tokens[B:bucket].fill_(self.pad_token)
-            self.window_lens[B:bucket].zero_()
-            self.state_indices[B:bucket].fill_(NULL_SLOT)
-            self.num_computed_tokens[B:bucket].zero_()
         if self.sampling:
             self.draft_probs[:B].copy_(draft_probs)
-            if bucket > B:
-                self.draft_probs[B:bucket].fill_(1.0 / self.vocab_size)
+        if bucket > B:
+            self._pad(B, bucket)
         if self.capture_graphs:
             self.replay(bucket)
         else:

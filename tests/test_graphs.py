@@ -407,7 +407,7 @@ def _load(runner, window, lens, slots, nct):
     """Fill the static buffers as ``step`` does (without running) and return the bucket."""
     B = window.shape[0]
     bucket = runner.bucket_for(B)
-    runner._pad_all()
+    runner._pad()
     runner.window_tokens[:B].copy_(window)
     runner.window_lens[:B].copy_(lens)
     runner.state_indices[:B].copy_(slots)
