@@ -160,8 +160,10 @@ class RecoverGatedDeltaNet(nn.Module):
         Raises:
             ValueError: with grad mode on and a tensor that requires grad (the kernels have no
                 autograd formula); a slot the pool does not have; verify windows spanning more
-                tokens than the pool's ``max_tokens``; snapshot mode with align mode; a layer the
-                pool does not hold. Raised before anything is written.
+                tokens than the pool's ``max_tokens``; snapshot or folded mode with align mode; a
+                prefill row continuing from a slot with a pending window (folded mode, see
+                :meth:`StatePool.fold_plan`); a layer the pool does not hold. Raised before
+                anything is written.
         """
         check_inference("RecoverGatedDeltaNet", hidden, self)
         fold = None
