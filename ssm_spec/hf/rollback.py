@@ -147,11 +147,12 @@ class RollbackPool:
         if B != self.batch_size or L != plan.prefill_len + plan.verify_len:
             raise ValueError(f"RollbackPool.run: hidden: got [{B}, {L}, {D}]; the forward planned "
                              f"[{self.batch_size}, {plan.prefill_len + plan.verify_len}, ...]")
+        step = getattr(layer, "engine_forward", None) or layer  # adapters keep HF's forward
         outs = []
-        for md, part in ((plan.prefill, hidden[:, :plan.prefill_len]), (plan.verify, hidden[:, plan.prefill_len:])):
-            if md is not None:
-                step = getattr(layer, "engine_forward", None) or layer  # adapters keep HF's forward
-                outs.append(step(part.reshape(-1, D), md, self.pool).view(B, -1, D))
+        if plan.prefill is not None:
+            outs.append(step(hidden[:, :plan.prefill_len].reshape(-1, D), plan.prefill, self.pool).view(B, -1, D))
+        if plan.verify is not None:
+            outs.append(step(hidden[:, plan.prefill_len:].reshape(-1, D), plan.verify, self.pool).view(B, -1, D))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     # ------------------------------------------------------------------ crop
@@ -180,17 +181,18 @@ class RollbackPool:
         self._absorb()
         idx = index.to(device=self.device, dtype=torch.long)
         rows = torch.cat([idx, idx + self.batch_size])
-        for state, _ in (*self.pool.gdn_groups.values(), *self.pool.conv_groups.values()):
+        for _, _, state, _ in self._groups():
             state[:, : 2 * self.batch_size] = state[:, rows]
         for spec, recs in self._pending.items():
             self._pending[spec] = tuple(r[:, idx] for r in recs)
 
     # ------------------------------------------------------------------ internals
     def _groups(self):
+        """``(spec, commit op, state, records)`` per state group of the pool."""
         for spec, (state, records) in self.pool.gdn_groups.items():
-            yield spec, "gdn", state, tuple(records)
+            yield spec, "gdn_commit", state, tuple(records)
         for spec, (state, records) in self.pool.conv_groups.items():
-            yield spec, "conv", state, (records,)
+            yield spec, "short_conv_commit", state, (records,)
 
     def _absorb(self) -> None:
         """Move the last forward's records from the pool's buffers to the pending store."""
@@ -217,14 +219,9 @@ class RollbackPool:
         src = self._ckpt if into_checkpoint or lo == 0 else self._scratch
         dst = self._ckpt if into_checkpoint else self._scratch
         qsl, counts = self._count_tensors(count)
-        for spec, kind, state, _ in self._groups():
+        for spec, op, state, _ in self._groups():
             recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
-            if kind == "gdn":
-                _eager.call("gdn_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
-                            self._no_boundaries)
-            else:
-                _eager.call("short_conv_commit", state, *recs, qsl, src, counts, dst, self._no_boundaries,
-                            self._no_boundaries)
+            _eager.call(op, state, *recs, qsl, src, counts, dst, self._no_boundaries, self._no_boundaries)
         if into_checkpoint:
             for spec, recs in self._pending.items():
                 self._pending[spec] = tuple(r[:, :, n:] for r in recs)
