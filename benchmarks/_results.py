@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
+import re
 from pathlib import Path
 
 
@@ -36,3 +38,18 @@ def pyplot():
         print("matplotlib is not installed: no plot")
         return None
     return plt
+
+
+def device_name(device) -> str:
+    """The GPU's name, or ``cpu-<machine>``."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{platform.machine() or 'unknown'}"
+
+
+def slug(text: str) -> str:
+    """``text`` as a file-name part: lower case, runs of other characters as ``-``."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")

@@ -57,8 +57,6 @@ import importlib.metadata
 import inspect
 import itertools
 import math
-import platform
-import re
 import statistics
 import sys
 import time
@@ -67,7 +65,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _results import HelpFormatter, pyplot, write_results
+from _results import HelpFormatter, device_name, pyplot, slug, write_results
 
 import ssm_spec  # noqa: F401  (registers torch.ops.ssm_spec.*)
 
@@ -520,16 +518,6 @@ def kernel_stats(us: float, nbytes: int, ops: int, copy: dict, fma: dict, how: s
 
 
 # ----------------------------------------------------------------------------- run
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu-{platform.machine() or 'unknown'}"
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def tile_config(shape: Shape):

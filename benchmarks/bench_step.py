@@ -30,23 +30,18 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _results import HelpFormatter, pyplot, write_results
+from _results import HelpFormatter, device_name, pyplot, slug, write_results
 
 from graphs import SpecDecodeGraphRunner
-from graphs.stack import DecoderStack
+from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 from ssm_spec import StatePool
 
 MODES = ("recoverssm", "snapshot", "folded")
-FULL = dict(vocab_size=32768, hidden_size=2048, num_layers=8, intermediate_size=5632, num_k_heads=16,
-            num_v_heads=32, head_k_dim=128, head_v_dim=128, num_heads=16, num_kv_heads=2, head_dim=128)
-QUICK = dict(vocab_size=64, hidden_size=32, num_layers=4, intermediate_size=64, num_k_heads=2, num_v_heads=4,
-             head_k_dim=16, head_v_dim=16, num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 class PatternForced(torch.nn.Module):
@@ -93,7 +88,7 @@ def _clock(device):
 @torch.no_grad()
 def run(args) -> dict:
     dev = torch.device(args.device)
-    widths = QUICK if args.quick else FULL
+    widths = TINY_WIDTHS if args.quick else REALISTIC_WIDTHS
     dtype = getattr(torch, args.dtype)
     V = widths["vocab_size"]
     bmax = max(args.batches)
@@ -149,7 +144,7 @@ def run(args) -> dict:
                     None)
         r["over_snapshot"] = r["step_ms"] / base["step_ms"] if base else None
     return {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu-{platform.machine()}",
+        "device": device_name(dev),
         "torch": torch.__version__,
         "config": {**widths, "dtype": args.dtype, "state_dtype": args.state_dtype, "batches": args.batches,
                    "k": args.k, "alpha": args.alpha, "steps": args.steps, "warmup": args.warmup,
@@ -232,7 +227,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     res = run(args)
     print_table(res)
-    stem = "bench_step_" + ("quick" if args.quick else res["device"].lower().replace(" ", "-")) + f"_{args.state_dtype}"
+    stem = "bench_step_" + ("quick" if args.quick else slug(res["device"])) + f"_{args.state_dtype}"
     write_results(res, args.out_dir, stem, save_plot)
     return res
 

@@ -28,13 +28,8 @@ import time
 import torch
 
 from graphs import SpecDecodeGraphRunner
-from graphs.stack import DecoderStack
+from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 from ssm_spec import RecoverSSMMetadata, StatePool
-
-FULL = dict(vocab_size=32768, hidden_size=2048, num_layers=8, intermediate_size=5632, num_k_heads=16,
-            num_v_heads=32, head_k_dim=128, head_v_dim=128, num_heads=16, num_kv_heads=2, head_dim=128)
-QUICK = dict(vocab_size=64, hidden_size=32, num_layers=4, intermediate_size=64, num_k_heads=2, num_v_heads=4,
-             head_k_dim=16, head_v_dim=16, num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 def _time(fn, reps, sync):
@@ -65,7 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
-    widths = QUICK if args.quick else FULL
+    widths = TINY_WIDTHS if args.quick else REALISTIC_WIDTHS
     dtype = getattr(torch, args.dtype)
     W, bmax = args.num_draft_tokens + 1, max(args.batch)
     reps = 3 if args.quick else args.reps

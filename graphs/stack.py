@@ -18,7 +18,14 @@ from torch import nn
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool
 
-__all__ = ["DecoderStack", "StaticKVAttention", "RowLayout"]
+__all__ = ["DecoderStack", "StaticKVAttention", "RowLayout", "REALISTIC_WIDTHS", "TINY_WIDTHS"]
+
+#: Realistic Qwen3-Next-like widths (the step benchmark's and the capture example's default).
+REALISTIC_WIDTHS = dict(vocab_size=32768, hidden_size=2048, num_layers=8, intermediate_size=5632, num_k_heads=16,
+                        num_v_heads=32, head_k_dim=128, head_v_dim=128, num_heads=16, num_kv_heads=2, head_dim=128)
+#: Tiny widths for smoke runs on a CPU.
+TINY_WIDTHS = dict(vocab_size=64, hidden_size=32, num_layers=4, intermediate_size=64, num_k_heads=2, num_v_heads=4,
+                   head_k_dim=16, head_v_dim=16, num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 class RowLayout:

@@ -10,11 +10,7 @@ import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
 from ssm_spec import reference
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+from tests.helpers import rel_err
 
 
 def inputs(T, H, HV, K, V, strong, gen):
@@ -41,11 +37,11 @@ for T, H, HV, K, V in [(40, 2, 4, 16, 32), (300, 2, 4, 16, 32), (300, 16, 32, 12
             ref = reference.gdn_native_step(q.double(), k.double(), v.double(), g.double(), beta.double(),
                                             s0.double(), keep_states=False)
             ours = reference.gdn_native_step(q, k, v, g, beta, s0, keep_states=False)
-            row = [rel(ours.out, ref.out)]
+            row = [rel_err(ours.out, ref.out)]
             for cs in (16, 32, 64):
                 o, s = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
                                               initial_state=s0[None].clone(), output_final_state=True,
                                               use_qk_l2norm_in_kernel=True, chunk_size=cs)
-                row.append(max(rel(o[0], ref.out), rel(s[0], ref.states[-1])))
+                row.append(max(rel_err(o[0], ref.out), rel_err(s[0], ref.states[-1])))
             name = f"T={T} HV={HV} K={K} {'strong' if strong else 'mild'} h0={'rand' if h0 else '0'}"
             print(f"{name:<34} " + " ".join(f"{x:10.2e}" for x in row))
