@@ -94,9 +94,6 @@ class RecoverLinearAttentionLayer(LinearAttentionLayer):
     def is_compileable(self) -> bool:
         return False
 
-    def activate_past_recording(self):
-        self.record_past = True
-
     def crop(self, tokens_to_remove) -> None:  # the cache crops every linear layer at once
         pass
 
@@ -228,7 +225,3 @@ class RecoverSSMCache(DynamicCache):
         self._last_layer = None
         self._forwards = self._since_crop = 0
         super().reset()
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
