@@ -2,6 +2,8 @@
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
 #   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
+#   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
+#   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
@@ -24,8 +26,24 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for part in $PARTS; do
   case $part in
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
-      python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/tests.log"
-      summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      if [ -n "${GPU_TEST_GROUPS:-}" ]; then  # "a.py b.py|c.py|...": groups run at once (one GPU, 16 cores)
+        IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
+        pids=()
+        for i in "${!groups[@]}"; do
+          python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_$i.log" 2>&1 &
+          pids+=($!)
+        done
+        for i in "${!pids[@]}"; do
+          wait "${pids[$i]}"
+          summary+=("tests group $i (${groups[$i]}): $(tail -n 1 "$OUT/tests_$i.log")")
+        done
+        cat "$OUT"/tests_*.log > "$OUT/tests.log"
+        rm -f "$OUT"/tests_*.log
+        grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 40
+      else
+        python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/tests.log"
+        summary+=("tests: $(tail -n 1 "$OUT/tests.log")")
+      fi
       python3 -m ssm_spec selfcheck 2>&1 | tee "$OUT/selfcheck.log"
       summary+=("selfcheck: $(tail -n 1 "$OUT/selfcheck.log")")
       ;;
@@ -42,9 +60,11 @@ for part in $PARTS; do
       summary+=("bench step: $OUT/bench_step.log")
       ;;
     tune)  # the shared GDN tile configuration: verify / commit / snapshot times and bit identity per (BV, warps)
-      for k in 1 3; do
-        python3 scripts/tune_gdn.py --k $k --out "$OUT/tune_gdn_k$k.json" 2>&1 | tee "$OUT/tune_gdn_k$k.log"
-        summary+=("tune k=$k: $(tail -n 3 "$OUT/tune_gdn_k$k.log" | head -n 2 | tr '\n' ';')")
+      for run in "1 float32" "3 float32" "3 bfloat16"; do
+        set -- $run
+        name="tune_gdn_k$1_$2"
+        python3 scripts/tune_gdn.py --k "$1" --state-dtype "$2" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+        summary+=("tune k=$1 $2: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
       done
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64

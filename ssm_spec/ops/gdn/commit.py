@@ -23,7 +23,7 @@ from .._validate import (
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
-from .inner import gdn_apply, gdn_decay, gdn_tile_config, use_ptx
+from .inner import gdn_apply, gdn_decay, gdn_tile_config, load_record_token, use_ptx
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -58,13 +58,19 @@ def gdn_commit_kernel(
         m_h = m_k[:, None] & m_v[None, :]
         layer = state_ptr + i_l * s_sl
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+        ru_l, rk_l, rd_l = ru_ptr + i_l * s_rul, rk_ptr + i_l * s_rkl, rd_ptr + i_l * s_rdl
+        # the first record loads beside the state tile, and each next one while this one is
+        # applied (a while loop: Triton 3.6's interpreter cannot range() over loaded bounds,
+        # and Triton does not pipeline it)
+        n_k, n_u, n_d = load_record_token(ru_l, rk_l, rd_l, bos.to(tl.int64), bos + n, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                          s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
         b_h = tl.load(layer + src * s_ss + tile, mask=m_h, other=0).to(tl.float32)
         t = 0
-        while t < n:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
-            tok = (bos + t).to(tl.int64)
-            b_k = tl.load(rk_ptr + i_l * s_rkl + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
-            b_u = tl.load(ru_ptr + i_l * s_rul + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
-            b_d = tl.load(rd_ptr + i_l * s_rdl + tok * s_rdt + i_hv * s_rdh)
+        while t < n:
+            b_k, b_u, b_d = n_k, n_u, n_d
+            n_k, n_u, n_d = load_record_token(ru_l, rk_l, rd_l, (bos + t + 1).to(tl.int64), bos + n, i_h, i_hv,
+                                              o_k, o_v, m_k, m_v, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk,
+                                              s_rdt, s_rdh)
             b_h = gdn_apply(gdn_decay(b_h, b_d, USE_PTX), tl.broadcast_to(b_k[:, None], (BK, BV)), b_u, USE_PTX)
             j = 0
             while j < NBD:
@@ -96,7 +102,7 @@ def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indic
     T = rec_u.shape[1]
     B = src_indices.shape[0]
     NBD = boundary_indices.shape[1]
-    BK, BV, num_warps = config or gdn_tile_config(K, V)
+    BK, BV, num_warps = config or gdn_tile_config(K, V, "commit")
     if B == 0 or NL == 0:
         return
     grid = (triton.cdiv(V, BV), B * HV, NL)

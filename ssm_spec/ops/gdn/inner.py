@@ -80,6 +80,20 @@ def gdn_apply(b_p, b_k, b_u, USE_PTX: tl.constexpr):
         return tl.fma(b_k, b_u[None, :], b_p)
 
 
+@triton.jit
+def load_record_token(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                      s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh):
+    """Replay record of token ``tok`` for one program: ``k̂ [BK], u [BV], decay`` (fp32), zeros
+    unless ``tok < end`` (a prefetch past the last accepted token reads nothing). Commit and
+    the folded verify load the next token's record while they apply this one. The vector
+    masks compare per lane: Triton 3.6's interpreter rejects a vector mask combined with a
+    scalar one."""
+    b_k = tl.load(rk_ptr + tok * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k & (o_k * 0 + tok < end), other=0)
+    b_u = tl.load(ru_ptr + tok * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v & (o_v * 0 + tok < end), other=0)
+    b_d = tl.load(rd_ptr + tok * s_rdt + i_hv * s_rdh, mask=tok < end, other=0)
+    return b_k, b_u, b_d
+
+
 _USE_PTX = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
 
 
@@ -106,12 +120,38 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def gdn_tile_config(K: int, V: int) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` for a ``[K, V]`` state, shared by verify, snapshot and commit.
+#: ``(K, V) -> (BV, num_warps)`` measured on the H200 by ``scripts/tune_gdn.py`` (B=64, fp32 and
+#: bf16 state; docs/perf-notes.md has the runs). ``WINDOW_TILES`` serves verify, the snapshot
+#: and the folded verify, which must share it (their K reductions make ``u``); commit does no
+#: reduction (its update is elementwise, so its bits do not depend on the tile) and has its own.
+#: ``SNAPSHOT_OWN_TILES`` is the native snapshot's own fastest tile, used only by the benchmark
+#: for a fair baseline (the op itself runs the window tile, for bit identity).
+WINDOW_TILES: dict[tuple[int, int], tuple[int, int]] = {}
+COMMIT_TILES: dict[tuple[int, int], tuple[int, int]] = {}
+SNAPSHOT_OWN_TILES: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def _default_tile(K: int, V: int) -> tuple[int, int, int]:
+    bk = next_power_of_2(K)
+    return bk, min(next_power_of_2(V), max(8, 4096 // bk)), 4
+
+
+def gdn_tile_config(K: int, V: int, kernel: str = "window") -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` of a GDN kernel on a ``[K, V]`` state.
 
     A program holds the whole key dim (``BK = next_pow2(K)``, needed for the normalisation and
-    the reduction) and a ``BV``-wide slice of the value dim, about 4096 fp32 in registers.
+    the reduction) and a ``BV``-wide slice of the value dim. ``kernel``: ``"window"`` (verify,
+    snapshot and folded verify: one tile for all three, so commit == snapshot bit for bit),
+    ``"commit"``, or ``"snapshot_own"`` (the benchmark's tuned native baseline). Shapes not in
+    the measured tables get about 4096 fp32 state elements per 4-warp program.
+
+    Raises:
+        ValueError: an unknown ``kernel``.
     """
-    bk = next_power_of_2(K)
-    bv = min(next_power_of_2(V), max(8, 4096 // bk))
-    return bk, bv, 4
+    tables = {"window": WINDOW_TILES, "commit": COMMIT_TILES, "snapshot_own": SNAPSHOT_OWN_TILES}
+    if kernel not in tables:
+        raise ValueError(f"kernel: expected one of {sorted(tables)}, got {kernel!r}")
+    tile = tables[kernel].get((K, V)) or (tables["window"].get((K, V)) if kernel == "snapshot_own" else None)
+    if tile is None:
+        return _default_tile(K, V)
+    return next_power_of_2(K), tile[0], tile[1]

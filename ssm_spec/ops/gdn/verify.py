@@ -34,6 +34,7 @@ from .inner import (
     gdn_tile_config,
     l2_normalize,
     l2_normalize_key,
+    load_record_token,
     pin,
     use_ptx,
 )
@@ -55,6 +56,22 @@ class ReplayRecord(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def load_window_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                      s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh):
+    """Token ``t``'s ``q [BK], k [BK], v [BV], g, beta`` in fp32; zeros unless ``t < end`` (the
+    prefetch past a window's last token reads nothing). The vector masks compare per lane:
+    Triton 3.6's interpreter rejects a vector mask combined with a scalar one."""
+    l_k = m_k & (o_k * 0 + t < end)
+    l_v = m_v & (o_v * 0 + t < end)
+    b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=l_k, other=0).to(tl.float32)
+    b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=l_k, other=0).to(tl.float32)
+    b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=l_v, other=0).to(tl.float32)
+    b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh, mask=t < end, other=0).to(tl.float32)
+    b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh, mask=t < end, other=0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_beta
 
 
 @triton.jit(do_not_specialize=["S", "TP", "store_record", "store_snapshots", "fold",
@@ -103,31 +120,39 @@ def gdn_window_kernel(
         m_v = o_v < V
         m_h = m_k[:, None] & m_v[None, :]
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+        t = bos.to(tl.int64)  # int64 token offsets
+        # Software pipelining by hand: the inputs of token t + 1 are loaded while token t is
+        # computed, the first token's with the state tile (a while loop over loaded bounds is not pipelined by Triton, and the
+        # interpreter of Triton 3.6 cannot range() over them).
+        n_q, n_k, n_v, n_g, n_beta = load_window_token(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
+            s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
         b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
         if fold != 0:
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_pstart), 0), TP)
             pn = tl.minimum(tl.maximum(tl.load(pn_ptr + i_b * s_pn), 0), TP - p0)
-            tt = 0
-            while tt < pn:
-                tok = (p0 + tt).to(tl.int64)
-                b_kp = tl.load(prk_ptr + tok * s_prkt + i_h * s_prkh + o_k * s_prkk, mask=m_k, other=0)
-                b_up = tl.load(pru_ptr + tok * s_prut + i_hv * s_pruh + o_v * s_pruv, mask=m_v, other=0)
-                b_dp = tl.load(prd_ptr + tok * s_prdt + i_hv * s_prdh)
+            tok = p0.to(tl.int64)
+            n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv,
+                                                 o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh,
+                                                 s_prkk, s_prdt, s_prdh)
+            while tok < p0 + pn:
+                b_kp, b_up, b_dp = n_kp, n_up, n_dp
+                n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok + 1, p0 + pn, i_h,
+                                                     i_hv, o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt,
+                                                     s_prkh, s_prkk, s_prdt, s_prdh)
                 b_h = gdn_apply(gdn_decay(b_h, b_dp, USE_PTX), tl.broadcast_to(b_kp[:, None], (BK, BV)), b_up,
                                 USE_PTX)
-                tt += 1
+                tok += 1
             if pn > 0:  # the committed state, stored once; verify continues from the stored value
                 b_hs = b_h.to(state_ptr.dtype.element_ty)
                 tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
                 b_h = b_hs.to(tl.float32)
         write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-        t = bos.to(tl.int64)  # int64 token offsets
-        while t < eos:  # a while loop: Triton 3.6's interpreter cannot range() over loaded bounds
-            b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=m_k, other=0).to(tl.float32)
-            b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=m_k, other=0).to(tl.float32)
-            b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=m_v, other=0).to(tl.float32)
-            b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh).to(tl.float32)
-            b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh).to(tl.float32)
+        while t < eos:
+            b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
+            n_q, n_k, n_v, n_g, n_beta = load_window_token(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t + 1, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
+                s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
             if USE_QK_L2NORM:
                 b_k = l2_normalize_key(b_k, BK, BV)
             b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # k̂ as a state-shaped tile
