@@ -36,7 +36,7 @@ from bench_ops import Shape, Timer, aligned_rows  # noqa: E402
 
 from ssm_spec.ops.gdn.commit import launch_gdn_commit  # noqa: E402
 from ssm_spec.ops.gdn.inner import next_power_of_2  # noqa: E402
-from ssm_spec.ops.gdn.verify import launch_gdn_window  # noqa: E402
+from ssm_spec.ops.gdn.verify import gdn_window_cpu, launch_gdn_window  # noqa: E402
 
 
 def candidates(K: int, V: int):
@@ -60,8 +60,9 @@ def inputs(shape: Shape, B: int, device, seed=0):
     return q, k, v, g, beta
 
 
-def identical(shape: Shape, config, device) -> bool:
-    """commit (every n in 0..W) == the snapshot's state after n tokens, bitwise, with ``config``."""
+def identical(shape: Shape, config, device, variant=None) -> tuple[bool, float]:
+    """commit (every n in 0..W) == the snapshot's state after n tokens, bitwise, with ``config``;
+    and verify's output error relative to the CPU twin (float32, the reference expressions)."""
     B, W = 3, shape.W
     args = inputs(shape, B, device, seed=1)
     T = B * W
@@ -72,10 +73,15 @@ def identical(shape: Shape, config, device) -> bool:
     out = torch.empty(T, shape.HV, shape.V, dtype=shape.act_dtype, device=device)
     rec = (torch.empty(T, shape.HV, shape.V, device=device), torch.empty(T, shape.H, shape.K, device=device),
            torch.empty(T, shape.HV, device=device))
-    launch_gdn_window(*args, pool, src, qsl, None, out, rec, shape.K**-0.5, True, config=config)
+    launch_gdn_window(*args, pool, src, qsl, None, out, rec, shape.K**-0.5, True, config=config, variant=variant)
+    cpu_out = torch.empty(out.shape, dtype=torch.float32)
+    cpu_rec = tuple(torch.empty(r.shape) for r in rec)
+    gdn_window_cpu(*(a.cpu().float() for a in args), pool.cpu().float(), src.cpu(), qsl.cpu(), None, cpu_out,
+                   cpu_rec, shape.K**-0.5, True)
+    out_err = ((out.cpu().double() - cpu_out.double()).norm() / cpu_out.double().norm()).item()
     snaps = pool.clone()
     launch_gdn_window(*args, snaps, src, qsl, torch.arange(B, B + T, **i32), out.clone(), None, shape.K**-0.5, True,
-                      config=config)
+                      config=config, variant=variant)
     none = torch.empty(B, 0, **i32)
     for n in range(W + 1):
         work = pool.clone()
@@ -84,8 +90,8 @@ def identical(shape: Shape, config, device) -> bool:
         for b in range(B):
             want = snaps[B + b * W + n - 1] if n else pool[b]
             if not torch.equal(work[b], want):
-                return False
-    return True
+                return False, out_err
+    return True, out_err
 
 
 def main(argv=None) -> int:
@@ -98,6 +104,10 @@ def main(argv=None) -> int:
     p.add_argument("--value-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=None, help="K = V (default 128; cpu: 16)")
     p.add_argument("--out", type=Path, default=Path("/tmp/tune_gdn.json"))
+    p.add_argument("--variants", action="store_true",
+                   help="also sweep the window kernel's experimental constexpr variants (FAST_NORM, OUT_FROM_P, NORM_AHEAD) "
+                        "over --tiles")
+    p.add_argument("--tiles", default=None, help="only these 'BV:warps,...' tiles")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     dim = args.head_dim or (128 if dev.type == "cuda" else 16)
@@ -120,38 +130,50 @@ def main(argv=None) -> int:
     n_all = torch.full((batch,), W, **i32)
     none = torch.empty(batch, 0, **i32)
     rows = []
-    for cfg in candidates(shape.K, shape.V):
+    tiles = candidates(shape.K, shape.V)
+    if args.tiles:
+        bk = next_power_of_2(shape.K)
+        tiles = [(bk, *map(int, t.split(":"))) for t in args.tiles.split(",")]
+    variants = [{}]
+    if args.variants:
+        fast = {"FAST_NORM": True}
+        variants += [fast, {"OUT_FROM_P": True}, {**fast, "OUT_FROM_P": True}, {**fast, "NORM_AHEAD": True},
+                     {**fast, "OUT_FROM_P": True, "NORM_AHEAD": True}]
+    for cfg in tiles:
+      for var in variants:
+        vname = "+".join(var) or "base"
         try:
-            ok = identical(shape, cfg, dev)
+            ok, out_err = identical(shape, cfg, dev, var)
             calls = {
-                "verify": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec, shape.K**-0.5,
-                                                             True, config=c),
+                "verify": lambda i, c=cfg, v=var: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec,
+                                                                    shape.K**-0.5, True, config=c, variant=v),
                 "commit": lambda i, c=cfg: launch_gdn_commit(pool, *rec, qsl, src[i], n_all, src[i], none, none,
                                                              config=c),
-                "snapshot": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, snap[i], out, None,
-                                                               shape.K**-0.5, True, config=c),
+                "snapshot": lambda i, c=cfg, v=var: launch_gdn_window(*act, pool, src[i], qsl, snap[i], out, None,
+                                                                      shape.K**-0.5, True, config=c, variant=v),
             }
             times = {name: timer.time_call(call, n_sets)[0] for name, call in calls.items()}
         except Exception as exc:  # a configuration Triton cannot compile (registers, shared memory)
-            print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]}: failed ({type(exc).__name__}: {exc})")
+            print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]} {vname}: failed ({type(exc).__name__}: {exc})")
             continue
-        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "identical": ok, **{f"{k}_us": v for k, v in times.items()},
-               "verify+commit_us": times["verify"] + times["commit"]}
+        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "variant": vname, "identical": ok, "out_rel_err": out_err,
+               **{f"{k}_us": v for k, v in times.items()}, "verify+commit_us": times["verify"] + times["commit"]}
         rows.append(row)
-        print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} | verify {times['verify']:9.2f} commit "
-              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok}", flush=True)
+        print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} {vname:>20} | verify {times['verify']:9.2f} commit "
+              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} out err {out_err:.1e}",
+              flush=True)
     good = [r for r in rows if r["identical"]]
     best = min(good, key=lambda r: r["verify_us"]) if good else None
     best_commit = min(good, key=lambda r: r["commit_us"]) if good else None
     best_snap = min(rows, key=lambda r: r["snapshot_us"]) if rows else None
     if best:
-        print(f"window (verify, snapshot, folded; identical): BV={best['BV']} warps={best['num_warps']} "
+        print(f"window (verify, snapshot, folded; identical): BV={best['BV']} warps={best['num_warps']} {best['variant']} "
               f"(verify {best['verify_us']:.2f} us; snapshot there {best['snapshot_us']:.2f} us)")
     if best_commit:
         print(f"commit (elementwise, any tile): BV={best_commit['BV']} warps={best_commit['num_warps']} "
               f"({best_commit['commit_us']:.2f} us)")
     if best_snap:
-        print(f"snapshot's own fastest: BV={best_snap['BV']} warps={best_snap['num_warps']} "
+        print(f"snapshot's own fastest: BV={best_snap['BV']} warps={best_snap['num_warps']} {best_snap['variant']} "
               f"({best_snap['snapshot_us']:.2f} us)")
     args.out.write_text(json.dumps({"device": str(dev), "batch": batch, "k": args.k, "state_dtype": args.state_dtype,
                                     "H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V, "rows": rows,

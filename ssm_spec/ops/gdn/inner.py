@@ -45,7 +45,7 @@ def gdn_decay(b_h, b_d, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def l2_normalize_key(b_k, BK: tl.constexpr, BV: tl.constexpr):
+def l2_normalize_key(b_k, BK: tl.constexpr, BV: tl.constexpr, FAST: tl.constexpr = False):
     """``k / sqrt(sum(k * k) + 1e-6)`` for a ``[BK]`` key, with the sum taken over the key
     broadcast to the ``[BK, BV]`` state tile (every column holds the same sum; ``max`` picks it).
 
@@ -56,6 +56,8 @@ def l2_normalize_key(b_k, BK: tl.constexpr, BV: tl.constexpr):
     less than the replicated reduction did (205 us against 213 us, verify at B=64, W=4).
     """
     b_k2 = tl.broadcast_to(b_k[:, None], (BK, BV))
+    if FAST:  # k * rsqrt(.): a multiply per element instead of an IEEE division (~2 ulp)
+        return b_k * tl.rsqrt(tl.max(tl.sum(b_k2 * b_k2, axis=0), axis=0) + L2NORM_EPS)
     norm = tl.max(tl.sqrt_rn(tl.sum(b_k2 * b_k2, axis=0) + L2NORM_EPS), axis=0)
     return tl.div_rn(b_k, norm)
 
