@@ -544,7 +544,7 @@ def tile_config(shape: Shape, kernel: str = "window"):
         from ssm_spec.ops.gdn.inner import gdn_tile_config
     except ImportError:
         return None
-    return list(gdn_tile_config(shape.K, shape.V, kernel))
+    return list(gdn_tile_config(shape.K, shape.V, kernel, shape.state_dtype))
 
 
 def check_peer(work: BatchWorkload, peer: Peer, note: str) -> tuple[Peer | None, str, float | None]:

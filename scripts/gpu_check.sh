@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-variants] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
@@ -65,15 +65,6 @@ for part in $PARTS; do
         name="tune_gdn_k$1_$2"
         python3 scripts/tune_gdn.py --k "$1" --state-dtype "$2" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
         summary+=("tune k=$1 $2: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
-      done
-      ;;
-    tune-variants)  # the window kernel's experimental variants on the best tiles of part tune
-      for run in "3 float32 64:2,32:1,16:1,32:2" "3 bfloat16 32:1,64:2"; do
-        set -- $run
-        name="tune_variants_k$1_$2"
-        python3 scripts/tune_gdn.py --k "$1" --state-dtype "$2" --variants --tiles "$3" --out "$OUT/$name.json" 2>&1 \
-          | tee "$OUT/$name.log"
-        summary+=("variants k=$1 $2: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
       done
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64

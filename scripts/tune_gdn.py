@@ -60,7 +60,7 @@ def inputs(shape: Shape, B: int, device, seed=0):
     return q, k, v, g, beta
 
 
-def identical(shape: Shape, config, device, variant=None) -> tuple[bool, float]:
+def identical(shape: Shape, config, device) -> tuple[bool, float]:
     """commit (every n in 0..W) == the snapshot's state after n tokens, bitwise, with ``config``;
     and verify's output error relative to the CPU twin (float32, the reference expressions)."""
     B, W = 3, shape.W
@@ -73,7 +73,7 @@ def identical(shape: Shape, config, device, variant=None) -> tuple[bool, float]:
     out = torch.empty(T, shape.HV, shape.V, dtype=shape.act_dtype, device=device)
     rec = (torch.empty(T, shape.HV, shape.V, device=device), torch.empty(T, shape.H, shape.K, device=device),
            torch.empty(T, shape.HV, device=device))
-    launch_gdn_window(*args, pool, src, qsl, None, out, rec, shape.K**-0.5, True, config=config, variant=variant)
+    launch_gdn_window(*args, pool, src, qsl, None, out, rec, shape.K**-0.5, True, config=config)
     cpu_out = torch.empty(out.shape, dtype=torch.float32)
     cpu_rec = tuple(torch.empty(r.shape) for r in rec)
     gdn_window_cpu(*(a.cpu().float() for a in args), pool.cpu().float(), src.cpu(), qsl.cpu(), None, cpu_out,
@@ -81,7 +81,7 @@ def identical(shape: Shape, config, device, variant=None) -> tuple[bool, float]:
     out_err = ((out.cpu().double() - cpu_out.double()).norm() / cpu_out.double().norm()).item()
     snaps = pool.clone()
     launch_gdn_window(*args, snaps, src, qsl, torch.arange(B, B + T, **i32), out.clone(), None, shape.K**-0.5, True,
-                      config=config, variant=variant)
+                      config=config)
     none = torch.empty(B, 0, **i32)
     for n in range(W + 1):
         work = pool.clone()
@@ -104,9 +104,6 @@ def main(argv=None) -> int:
     p.add_argument("--value-heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=None, help="K = V (default 128; cpu: 16)")
     p.add_argument("--out", type=Path, default=Path("/tmp/tune_gdn.json"))
-    p.add_argument("--variants", action="store_true",
-                   help="also sweep the window kernel's experimental constexpr variants (FAST_NORM, OUT_FROM_P, NORM_AHEAD) "
-                        "over --tiles")
     p.add_argument("--tiles", default=None, help="only these 'BV:warps,...' tiles")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
@@ -134,32 +131,25 @@ def main(argv=None) -> int:
     if args.tiles:
         bk = next_power_of_2(shape.K)
         tiles = [(bk, *map(int, t.split(":"))) for t in args.tiles.split(",")]
-    variants = [{}]
-    if args.variants:
-        fast = {"FAST_NORM": True}
-        variants += [fast, {"OUT_FROM_P": True}, {**fast, "OUT_FROM_P": True}, {**fast, "NORM_AHEAD": True},
-                     {**fast, "OUT_FROM_P": True, "NORM_AHEAD": True}]
     for cfg in tiles:
-      for var in variants:
-        vname = "+".join(var) or "base"
         try:
-            ok, out_err = identical(shape, cfg, dev, var)
+            ok, out_err = identical(shape, cfg, dev)
             calls = {
-                "verify": lambda i, c=cfg, v=var: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec,
-                                                                    shape.K**-0.5, True, config=c, variant=v),
+                "verify": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec,
+                                                             shape.K**-0.5, True, config=c),
                 "commit": lambda i, c=cfg: launch_gdn_commit(pool, *rec, qsl, src[i], n_all, src[i], none, none,
                                                              config=c),
-                "snapshot": lambda i, c=cfg, v=var: launch_gdn_window(*act, pool, src[i], qsl, snap[i], out, None,
-                                                                      shape.K**-0.5, True, config=c, variant=v),
+                "snapshot": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, snap[i], out, None,
+                                                               shape.K**-0.5, True, config=c),
             }
             times = {name: timer.time_call(call, n_sets)[0] for name, call in calls.items()}
         except Exception as exc:  # a configuration Triton cannot compile (registers, shared memory)
-            print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]} {vname}: failed ({type(exc).__name__}: {exc})")
+            print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]}: failed ({type(exc).__name__}: {exc})")
             continue
-        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "variant": vname, "identical": ok, "out_rel_err": out_err,
+        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "identical": ok, "out_rel_err": out_err,
                **{f"{k}_us": v for k, v in times.items()}, "verify+commit_us": times["verify"] + times["commit"]}
         rows.append(row)
-        print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} {vname:>20} | verify {times['verify']:9.2f} commit "
+        print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} | verify {times['verify']:9.2f} commit "
               f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} out err {out_err:.1e}",
               flush=True)
     good = [r for r in rows if r["identical"]]
@@ -167,13 +157,13 @@ def main(argv=None) -> int:
     best_commit = min(good, key=lambda r: r["commit_us"]) if good else None
     best_snap = min(rows, key=lambda r: r["snapshot_us"]) if rows else None
     if best:
-        print(f"window (verify, snapshot, folded; identical): BV={best['BV']} warps={best['num_warps']} {best['variant']} "
+        print(f"window (verify, snapshot, folded; identical): BV={best['BV']} warps={best['num_warps']} "
               f"(verify {best['verify_us']:.2f} us; snapshot there {best['snapshot_us']:.2f} us)")
     if best_commit:
         print(f"commit (elementwise, any tile): BV={best_commit['BV']} warps={best_commit['num_warps']} "
               f"({best_commit['commit_us']:.2f} us)")
     if best_snap:
-        print(f"snapshot's own fastest: BV={best_snap['BV']} warps={best_snap['num_warps']} {best_snap['variant']} "
+        print(f"snapshot's own fastest: BV={best_snap['BV']} warps={best_snap['num_warps']} "
               f"({best_snap['snapshot_us']:.2f} us)")
     args.out.write_text(json.dumps({"device": str(dev), "batch": batch, "k": args.k, "state_dtype": args.state_dtype,
                                     "H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V, "rows": rows,

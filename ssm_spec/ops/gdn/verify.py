@@ -92,7 +92,6 @@ def gdn_window_kernel(
     s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk, s_prdt, s_prdh, s_pstart, s_pn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr,
-    OUT_FROM_P: tl.constexpr = False, NORM_AHEAD: tl.constexpr = False, FAST_NORM: tl.constexpr = False,
 ):
     """One program per (V tile, row x value head): the state tile stays in registers across
     the row's window. ``store_record``: write the replay record (verify). ``store_snapshots``:
@@ -149,31 +148,23 @@ def gdn_window_kernel(
                 tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
                 b_h = b_hs.to(tl.float32)
         write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-        if NORM_AHEAD & USE_QK_L2NORM:
-            n_k = l2_normalize_key(n_k, BK, BV, FAST_NORM)
         while t < eos:
             b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
             n_q, n_k, n_v, n_g, n_beta = load_window_token(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t + 1, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
                 s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
-            if USE_QK_L2NORM and not NORM_AHEAD:
-                b_k = l2_normalize_key(b_k, BK, BV, FAST_NORM)
-            b_kv = b_k
+            if USE_QK_L2NORM:
+                b_k = l2_normalize_key(b_k, BK, BV)
             b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # k̂ as a state-shaped tile
-            if USE_QK_L2NORM and FAST_NORM:
-                b_q = b_q * (tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * scale)
-            elif USE_QK_L2NORM:
+            if USE_QK_L2NORM:
                 b_q = l2_normalize(b_q) * scale
             else:
                 b_q = b_q * scale
             b_d = tl.exp(b_g)
             b_p = gdn_decay(b_h, b_d, USE_PTX)
             b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta), USE_PTX)
-            if OUT_FROM_P:  # o = P^T q + u (k̂ . q): independent of the update, beside the correction
-                b_o = tl.sum(b_p * b_q[:, None], axis=0) + b_u * tl.sum(b_kv * b_q, axis=0)
             b_h = gdn_apply(b_p, b_k, b_u, USE_PTX)
-            if not OUT_FROM_P:
-                b_o = tl.sum(b_h * b_q[:, None], axis=0)
+            b_o = tl.sum(b_h * b_q[:, None], axis=0)
             tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
                      b_o.to(out_ptr.dtype.element_ty), mask=m_v)
             if store_record != 0:
@@ -188,13 +179,11 @@ def gdn_window_kernel(
                 if (snap >= 0) & (snap < S):
                     tl.store(state_ptr + snap * s_ss + tile,
                              b_h.to(state_ptr.dtype.element_ty), mask=m_h)
-            if NORM_AHEAD & USE_QK_L2NORM:  # the next token's k̂, off this token's chain
-                n_k = l2_normalize_key(n_k, BK, BV, FAST_NORM)
             t += 1
 
 
 def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
-                      out, record, scale, use_qk_l2norm, config=None, fold=None, variant=None):
+                      out, record, scale, use_qk_l2norm, config=None, fold=None):
     """Launch :func:`gdn_window_kernel` (no allocation; the grid depends on shapes only).
 
     ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
@@ -205,7 +194,7 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = src_indices.shape[0]
-    BK, BV, num_warps = config or gdn_tile_config(K, V)
+    BK, BV, num_warps = config or gdn_tile_config(K, V, "window", state.dtype)
     if B == 0:
         return
     # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
@@ -237,7 +226,7 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
         *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
         *out.stride(), *rec_strides, *fold_strides,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_PTX=use_ptx(), num_warps=num_warps, **(variant or {}),
+        USE_PTX=use_ptx(), num_warps=num_warps,
     )
 
 
