@@ -280,3 +280,19 @@ def test_commit_noncontiguous_metadata(device):
                    i32([[10], [-1]], device), i32([[1], [2]], device))
     assert torch.equal(got, want)
     assert not torch.equal(want[9], pool[9])  # something was committed
+
+
+def test_tile_tables():
+    """The measured tile tables: verify / snapshot / folded share the window tile; commit has
+    its own; the benchmark's snapshot tile falls back to the window tile; other shapes get the
+    default rule; an unknown kernel name raises."""
+    from ssm_spec.ops.gdn.inner import WINDOW_TILES, gdn_tile_config
+
+    for (K, V, dtype), (bv, warps) in WINDOW_TILES.items():
+        assert gdn_tile_config(K, V, "window", dtype) == (K, bv, warps)
+    assert gdn_tile_config(128, 128, "commit", torch.float32) != gdn_tile_config(128, 128, "window", torch.float32)
+    assert gdn_tile_config(128, 128, "window", torch.bfloat16) != gdn_tile_config(128, 128, "window", torch.float32)
+    assert gdn_tile_config(24, 20) == gdn_tile_config(24, 20, "commit") == (32, 32, 4)  # not measured: the rule
+    assert gdn_tile_config(24, 20, "snapshot_own") == gdn_tile_config(24, 20)
+    with pytest.raises(ValueError, match="kernel"):
+        gdn_tile_config(128, 128, "verify")

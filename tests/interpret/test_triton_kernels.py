@@ -245,3 +245,25 @@ def test_folded_kernel_is_commit_then_verify_bit_for_bit(counts):
     assert same_bits(folded, separate)
     for got, want in zip((out_f, *rec_f), (out_s, *rec_s)):
         assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("tile", [(16, 8, 1), (16, 16, 2), (16, 32, 4)])
+def test_commit_tile_does_not_change_the_state(tile):
+    """Commit's update is elementwise, so its tile (its own table, COMMIT_TILES) may differ from
+    the window tile verify and the snapshot share: every tile, V=24 included (masked last V
+    tile), lands on the snapshot's state bit for bit."""
+    W, HV, H, K, V = 3, 4, 2, 16, 24
+    lengths, srcs = [W, 2], [0, 3]
+    qsl = qsl_from_lengths(lengths, "cpu")
+    src = i32(srcs, "cpu")
+    inp = gdn_inputs(int(qsl[-1]), H, HV, K, V, "cpu")
+    pool = random_pool(8, HV, K, V, "cpu")
+    _, rec = _triton_verify(inp, pool, src, qsl)
+    snaps = _triton_native(inp, pool, src, qsl)
+    for n in range(W + 1):
+        counts = [min(n, length) for length in lengths]
+        work = pool.clone()
+        launch_gdn_commit(work, *rec, qsl, src, i32(counts, "cpu"), src, *no_boundaries(2, "cpu"), config=tile)
+        for b, s in enumerate(srcs):
+            want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
+            assert torch.equal(work[s], want), (tile, n, b)
