@@ -28,17 +28,22 @@ for part in $PARTS; do
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
       if [ -n "${GPU_TEST_GROUPS:-}" ]; then  # "a.py b.py|c.py|...": groups run at once (one GPU, 16 cores)
         IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
+        for f in tests/test_*.py; do  # a file in no group would be skipped silently
+          [[ " ${groups[*]} " == *" $f "* ]] || echo "note: $f is in no GPU_TEST_GROUPS group"
+        done
         pids=()
         for i in "${!groups[@]}"; do
-          python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_$i.log" 2>&1 &
+          python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_group$i.log" 2>&1 &
           pids+=($!)
         done
+        : > "$OUT/tests.log"
         for i in "${!pids[@]}"; do
-          wait "${pids[$i]}"
-          summary+=("tests group $i (${groups[$i]}): $(tail -n 1 "$OUT/tests_$i.log")")
+          wait "${pids[$i]}"; rc=$?
+          status=$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc $rc)")
+          summary+=("tests group $i [$status] (${groups[$i]}): $(tail -n 1 "$OUT/tests_group$i.log")")
+          { echo "===== group $i: ${groups[$i]} (rc $rc)"; cat "$OUT/tests_group$i.log"; } >> "$OUT/tests.log"
+          rm -f "$OUT/tests_group$i.log"
         done
-        cat "$OUT"/tests_*.log > "$OUT/tests.log"
-        rm -f "$OUT"/tests_*.log
         grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -n 40
       else
         python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/tests.log"
@@ -61,10 +66,10 @@ for part in $PARTS; do
       ;;
     tune)  # the shared GDN tile configuration: verify / commit / snapshot times and bit identity per (BV, warps)
       for run in "1 float32" "3 float32" "3 bfloat16"; do
-        set -- $run
-        name="tune_gdn_k$1_$2"
-        python3 scripts/tune_gdn.py --k "$1" --state-dtype "$2" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
-        summary+=("tune k=$1 $2: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
+        read -r k dtype <<< "$run"
+        name="tune_gdn_k${k}_$dtype"
+        python3 scripts/tune_gdn.py --k "$k" --state-dtype "$dtype" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
+        summary+=("tune k=$k $dtype: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
       done
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_ops import Shape, Timer, aligned_rows  # noqa: E402
 
 from ssm_spec.ops.gdn.commit import launch_gdn_commit  # noqa: E402
-from ssm_spec.ops.gdn.inner import next_power_of_2  # noqa: E402
+from ssm_spec.ops.gdn.inner import gdn_tile_config, next_power_of_2  # noqa: E402
 from ssm_spec.ops.gdn.verify import gdn_window_cpu, launch_gdn_window  # noqa: E402
 
 
@@ -60,9 +61,12 @@ def inputs(shape: Shape, B: int, device, seed=0):
     return q, k, v, g, beta
 
 
-def identical(shape: Shape, config, device) -> tuple[bool, float]:
-    """commit (every n in 0..W) == the snapshot's state after n tokens, bitwise, with ``config``;
-    and verify's output error relative to the CPU twin (float32, the reference expressions)."""
+def identical(shape: Shape, config, device) -> tuple[bool, dict]:
+    """Whether commit (every n in 0..W) lands on the snapshot's state after n tokens bit for bit,
+    the snapshot on window tile ``config`` and commit both on ``config`` and on the shipped
+    commit tile (the pair the ops run); and verify's errors relative to the CPU twin (float32,
+    the reference expressions): the fp32 records ``u`` and ``k̂`` (these see an error of a few
+    ulp) and the output (in the activation dtype: bf16 rounding on CUDA)."""
     B, W = 3, shape.W
     args = inputs(shape, B, device, seed=1)
     T = B * W
@@ -78,35 +82,45 @@ def identical(shape: Shape, config, device) -> tuple[bool, float]:
     cpu_rec = tuple(torch.empty(r.shape) for r in rec)
     gdn_window_cpu(*(a.cpu().float() for a in args), pool.cpu().float(), src.cpu(), qsl.cpu(), None, cpu_out,
                    cpu_rec, shape.K**-0.5, True)
-    out_err = ((out.cpu().double() - cpu_out.double()).norm() / cpu_out.double().norm()).item()
+    def rel(a, b):
+        return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
+
+    errs = {"out_rel_err": rel(out, cpu_out), "u_rel_err": rel(rec[0], cpu_rec[0]), "k_rel_err": rel(rec[1], cpu_rec[1])}
     snaps = pool.clone()
     launch_gdn_window(*args, snaps, src, qsl, torch.arange(B, B + T, **i32), out.clone(), None, shape.K**-0.5, True,
                       config=config)
     none = torch.empty(B, 0, **i32)
-    for n in range(W + 1):
-        work = pool.clone()
-        counts = torch.full((B,), n, **i32)
-        launch_gdn_commit(work, *rec, qsl, src, counts, src, none, none, config=config)
-        for b in range(B):
-            want = snaps[B + b * W + n - 1] if n else pool[b]
-            if not torch.equal(work[b], want):
-                return False, out_err
-    return True, out_err
+    shipped = gdn_tile_config(shape.K, shape.V, "commit", shape.state_dtype)
+    for commit_tile in (config, shipped):
+        for n in range(W + 1):
+            work = pool.clone()
+            counts = torch.full((B,), n, **i32)
+            launch_gdn_commit(work, *rec, qsl, src, counts, src, none, none, config=commit_tile)
+            for b in range(B):
+                want = snaps[B + b * W + n - 1] if n else pool[b]
+                if not torch.equal(work[b], want):
+                    return False, errs
+    return True, errs
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--value-heads", type=int, default=32)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test (needs TRITON_INTERPRET=1 set "
+                                                    "before Python starts; tiny fixed sizes: B=2, H=2, HV=4)")
+    p.add_argument("--batch", type=int, default=64, help="rows timed (cuda)")
+    p.add_argument("--k", type=int, default=3, help="drafts per row: window W = k + 1")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="state pool dtype")
+    p.add_argument("--heads", type=int, default=16, help="key heads H (cuda)")
+    p.add_argument("--value-heads", type=int, default=32, help="value heads HV (cuda)")
     p.add_argument("--head-dim", type=int, default=None, help="K = V (default 128; cpu: 16)")
-    p.add_argument("--out", type=Path, default=Path("/tmp/tune_gdn.json"))
+    p.add_argument("--out", type=Path, default=Path("/tmp/tune_gdn.json"), help="JSON with every row and the winners")
     p.add_argument("--tiles", default=None, help="only these 'BV:warps,...' tiles")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
+    if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--device cpu runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1 before Python starts")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here (for a smoke test: TRITON_INTERPRET=1 python scripts/tune_gdn.py --device cpu)")
     dim = args.head_dim or (128 if dev.type == "cuda" else 16)
     batch = args.batch if dev.type == "cuda" else 2
     shape = Shape(args.heads if dev.type == "cuda" else 2, args.value_heads if dev.type == "cuda" else 4, dim, dim,
@@ -133,7 +147,7 @@ def main(argv=None) -> int:
         tiles = [(bk, *map(int, t.split(":"))) for t in args.tiles.split(",")]
     for cfg in tiles:
         try:
-            ok, out_err = identical(shape, cfg, dev)
+            ok, errs = identical(shape, cfg, dev)
             calls = {
                 "verify": lambda i, c=cfg: launch_gdn_window(*act, pool, src[i], qsl, None, out, rec,
                                                              shape.K**-0.5, True, config=c),
@@ -146,11 +160,12 @@ def main(argv=None) -> int:
         except Exception as exc:  # a configuration Triton cannot compile (registers, shared memory)
             print(f"BK={cfg[0]} BV={cfg[1]} warps={cfg[2]}: failed ({type(exc).__name__}: {exc})")
             continue
-        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "identical": ok, "out_rel_err": out_err,
+        row = {"BK": cfg[0], "BV": cfg[1], "num_warps": cfg[2], "identical": ok, **errs,
                **{f"{k}_us": v for k, v in times.items()}, "verify+commit_us": times["verify"] + times["commit"]}
         rows.append(row)
         print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} | verify {times['verify']:9.2f} commit "
-              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} out err {out_err:.1e}",
+              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} | rel err u {errs['u_rel_err']:.1e} "
+              f"k {errs['k_rel_err']:.1e} out {errs['out_rel_err']:.1e}",
               flush=True)
     good = [r for r in rows if r["identical"]]
     best = min(good, key=lambda r: r["verify_us"]) if good else None

@@ -11,9 +11,10 @@ NAN = float("nan")
 W, HV, H, K, V, S = 4, 4, 2, 16, 32, 10
 
 
-def _steps(device, dtype, lengths, srcs, counts, seed=0):
+def _steps(device, dtype, lengths, srcs, counts, seed=0, widths=(HV, H, K, V)):
     """A previous verify, then the next step both ways. Returns (separate, folded) as
     ``(pool, out, record)`` each, plus the live token mask of the next step."""
+    HV, H, K, V = widths
     qsl = qsl_from_lengths(lengths, device)
     src = i32(srcs, device)
     pool = random_pool(S, HV, K, V, device, dtype=dtype, gen=torch.Generator().manual_seed(seed))
@@ -36,15 +37,18 @@ def _steps(device, dtype, lengths, srcs, counts, seed=0):
     return (separate, out_s, rec_s), (folded, out_f, rec_f), live.to(device), free
 
 
+@pytest.mark.parametrize("widths", [(HV, H, K, V), (32, 16, 128, 128)], ids=["small", "qwen3_next"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("trial", range(W + 1))
-def test_folded_equals_commit_then_verify_bit_for_bit(device, dtype, trial):
+def test_folded_equals_commit_then_verify_bit_for_bit(device, dtype, trial, widths):
     """Every count 0..W, a padding row, ragged windows; a bf16 pool rounds the folded state
-    exactly as the separate path's store and reload."""
+    exactly as the separate path's store and reload. At Qwen3-Next widths the CUDA kernels run
+    their measured tiles (the fold on the window tile, the separate commit on its own)."""
     lengths, srcs = [W, 2, 0, W, 3], [3, 0, -1, 7, 5]
     counts = [min(trial, n) for n in lengths]
     counts[1] = (trial + 1) % 3
-    (s_pool, s_out, s_rec), (f_pool, f_out, f_rec), live, free = _steps(device, dtype, lengths, srcs, counts)
+    (s_pool, s_out, s_rec), (f_pool, f_out, f_rec), live, free = _steps(device, dtype, lengths, srcs, counts,
+                                                                        widths=widths)
     assert same_bits(f_pool, s_pool)
     assert same_bits(f_pool[free], s_pool[free]) and f_pool[free].isnan().all()  # untouched
     assert same_bits(f_out[live], s_out[live])

@@ -296,3 +296,50 @@ def test_tile_tables():
     assert gdn_tile_config(24, 20, "snapshot_own") == gdn_tile_config(24, 20)
     with pytest.raises(ValueError, match="kernel"):
         gdn_tile_config(128, 128, "verify")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_commit_bits_do_not_depend_on_its_tile_on_gpu(state_dtype):
+    """Commit's update is elementwise, so any commit tile lands on the snapshot's state (which
+    runs the window tile verify shares) bit for bit, at Qwen3-Next widths, every count."""
+    from ssm_spec.ops.gdn.commit import launch_gdn_commit
+    from ssm_spec.ops.gdn.inner import gdn_tile_config
+
+    device, W = torch.device("cuda"), 4
+    lengths, srcs = [W, W, 3], [0, 3, 5]
+    inp, pool, qsl, src = _setup(device, (32, 16, 128, 128), lengths, srcs, state_dtype=state_dtype, seed=5,
+                                 act_dtype=torch.bfloat16)
+    _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    _, snaps = native_states(inp, pool, src, qsl)
+    no_bnd = torch.empty(len(srcs), 0, dtype=torch.int32, device=device)
+    tiles = {gdn_tile_config(128, 128, "commit", state_dtype), gdn_tile_config(128, 128, "window", state_dtype),
+             (128, 8, 1), (128, 32, 4), (128, 64, 4), (128, 128, 4)}
+    for tile in sorted(tiles):
+        for trial in range(W + 1):
+            counts = rotating_counts(trial, lengths, W)
+            work = pool.clone()
+            launch_gdn_commit(work, *rec, qsl, src, i32(counts, device), src, no_bnd, no_bnd, config=tile)
+            for b, s in enumerate(srcs):
+                want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
+                assert torch.equal(work[s], want), (tile, trial, b)
+
+
+def test_tile_override_is_checked_before_launch():
+    """A launcher's ``config`` (benchmarks, tuning) that the kernel cannot run is refused before
+    anything launches: a BK short of K would silently skip key rows."""
+    from ssm_spec.ops.gdn.commit import launch_gdn_commit
+    from ssm_spec.ops.gdn.verify import launch_gdn_window
+
+    inp, pool, qsl, src = _setup("cpu", (4, 2, 24, 20), [3], [0])
+    T, HV, V = inp.q.shape[0], 4, 20
+    rec = (torch.zeros(T, HV, V), torch.zeros(T, 2, 24), torch.zeros(T, HV))
+    before = pool.clone()
+    for bad in [(16, 8, 1), (32, 12, 1), (32, 8, 3)]:
+        with pytest.raises(ValueError, match="config"):
+            launch_gdn_window(*inp.args()[:5], pool, src, qsl, None, torch.zeros(T, HV, V), rec, 0.2, True, config=bad)
+        with pytest.raises(ValueError, match="config"):
+            launch_gdn_commit(pool, *rec, qsl, src, i32([1], "cpu"), src, torch.empty(1, 0, dtype=torch.int32),
+                              torch.empty(1, 0, dtype=torch.int32), config=bad)
+    assert torch.equal(pool, before)

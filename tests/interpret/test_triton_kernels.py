@@ -249,9 +249,10 @@ def test_folded_kernel_is_commit_then_verify_bit_for_bit(counts):
 
 @pytest.mark.parametrize("tile", [(16, 8, 1), (16, 16, 2), (16, 32, 4)])
 def test_commit_tile_does_not_change_the_state(tile):
-    """Commit's update is elementwise, so its tile (its own table, COMMIT_TILES) may differ from
-    the window tile verify and the snapshot share: every tile, V=24 included (masked last V
-    tile), lands on the snapshot's state bit for bit."""
+    """Commit under several tiles (its own table, COMMIT_TILES, may differ from the window tile):
+    the interpreter has no layouts, so this checks the tiling itself (the grid over V, the
+    masked last V tile at V=24) against the snapshot's state; that commit's bits do not depend
+    on the tile on the GPU is test_gdn_ops.test_commit_bits_do_not_depend_on_its_tile_on_gpu."""
     W, HV, H, K, V = 3, 4, 2, 16, 24
     lengths, srcs = [W, 2], [0, 3]
     qsl = qsl_from_lengths(lengths, "cpu")
@@ -267,3 +268,73 @@ def test_commit_tile_does_not_change_the_state(tile):
         for b, s in enumerate(srcs):
             want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
             assert torch.equal(work[s], want), (tile, n, b)
+
+
+@pytest.fixture
+def load_addresses(monkeypatch):
+    """Every address the interpreted kernels load from with its mask on (a list of int arrays),
+    by wrapping the interpreter's masked load. A read past a window is invisible in the results
+    (the prefetched value is never used), so the kernels' prefetch masks are tested here."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    seen = []
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def spy(self, ptrs, mask, *rest):
+        p = np.asarray(ptrs.data).reshape(-1).astype(np.int64)
+        m = np.broadcast_to(np.asarray(mask.data).reshape(-1) if mask is not None else True, p.shape)
+        seen.append(p[m.astype(bool)])
+        return original(self, ptrs, mask, *rest)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", spy)
+    return seen
+
+
+def _rows_read(seen, *tensors):
+    """Dim-0 row indices of ``tensors`` (contiguous) that the recorded loads touched."""
+    import numpy as np
+
+    addrs = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+    seen.clear()
+    rows = set()
+    for t in tensors:
+        base, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
+        hit = addrs[(addrs >= base) & (addrs < base + nbytes)]
+        rows |= set(((hit - base) // (t.stride(0) * t.element_size())).tolist())
+    return rows, addrs.size
+
+
+def test_prefetch_reads_no_token_outside_a_window(load_addresses):
+    """The kernels load the next token (verify: q, k, v, g, beta; commit and the fold: the
+    next record) ahead of use. No load may touch a token past a row's window or accepted count,
+    nor a padding row's tokens, nor rows past the buffers' ends (the last window ends at T)."""
+    HV, H, K, V = 4, 2, 16, 24
+    qsl, T = i32([0, 3, 7, 9], "cpu"), 9
+    inp = gdn_inputs(T, H, HV, K, V, "cpu", strided=False)
+    pool = random_pool(4, HV, K, V, "cpu")
+    out = torch.empty(T, HV, V)
+    rec = (torch.empty(T, HV, V), torch.empty(T, H, K), torch.empty(T, HV))
+    acts = (inp.q, inp.k, inp.v, inp.g, inp.beta)
+
+    launch_gdn_window(*acts, pool, i32([0, -1, 2], "cpu"), qsl, None, out, rec, K**-0.5, True)
+    rows, n = _rows_read(load_addresses, *acts)
+    assert n > 0 and rows == {0, 1, 2, 7, 8}  # row 1 is padding: its tokens 3..6 are never read
+
+    for counts in ([3, 4, 2], [1, 0, 2], [0, 0, 0]):
+        launch_gdn_commit(pool.clone(), *rec, qsl, i32([0, 1, 2], "cpu"), i32(counts, "cpu"), i32([0, 1, 2], "cpu"),
+                          *no_boundaries(3, "cpu"))
+        rows, _ = _rows_read(load_addresses, *rec)
+        assert rows == {int(qsl[b]) + t for b in range(3) for t in range(counts[b])}, counts
+
+    TP = 9
+    prev = (torch.randn(TP, HV, V), torch.randn(TP, H, K), torch.rand(TP, HV))
+    for pstart, pn in (([0, 3, 7], [3, 4, 2]), ([0, 3, 7], [1, 0, 5]), ([8, 9, 20], [5, 5, 5])):
+        launch_gdn_window(*acts, pool.clone(), i32([0, 1, 2], "cpu"), qsl, None, out, rec, K**-0.5, True,
+                          fold=(*prev, i32(pstart, "cpu"), i32(pn, "cpu")))
+        rows, _ = _rows_read(load_addresses, *prev)
+        want = set()
+        for p0, n in zip(pstart, pn):
+            p0 = min(max(p0, 0), TP)
+            want |= set(range(p0, p0 + min(max(n, 0), TP - p0)))
+        assert rows == want, (pstart, pn)

@@ -23,7 +23,7 @@ from .._validate import (
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
-from .inner import gdn_apply, gdn_decay, gdn_tile_config, load_record_token, use_ptx
+from .inner import check_tile, gdn_apply, gdn_decay, gdn_tile_config, load_record_token, use_ptx
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -95,14 +95,18 @@ def _grouped(state, rec_u, rec_k, rec_decay):
 def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
                       num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets,
                       config=None):
-    """Launch :func:`gdn_commit_kernel` over every layer of the (grouped) state in one grid."""
+    """Launch :func:`gdn_commit_kernel` over every layer of the (grouped) state in one grid.
+
+    ``config`` overrides commit's tile ``(BK, BV, num_warps)`` (benchmarks and tuning; any
+    tile gives the same bits; ``ValueError`` for one the kernel cannot run, see
+    :func:`check_tile`)."""
     state, rec_u, rec_k, rec_decay = _grouped(state, rec_u, rec_k, rec_decay)
     NL, S, HV, K, V = state.shape
     H = rec_k.shape[2]
     T = rec_u.shape[1]
     B = src_indices.shape[0]
     NBD = boundary_indices.shape[1]
-    BK, BV, num_warps = config or gdn_tile_config(K, V, "commit", state.dtype)
+    BK, BV, num_warps = check_tile(config, K) if config else gdn_tile_config(K, V, "commit", state.dtype)
     if B == 0 or NL == 0:
         return
     grid = (triton.cdiv(V, BV), B * HV, NL)

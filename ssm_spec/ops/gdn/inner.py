@@ -1,9 +1,13 @@
-"""The one inner update that GDN verify, commit and the native snapshot share.
+"""The one inner update that GDN verify, commit and the native snapshot share, and their tiles.
 
 Bit identity between commit and the native per-token state (DESIGN.md section 2) holds
-because all three kernels build the state with *these* functions, on tiles of the same shape
-and ``num_warps`` (the order of the K reduction that produces ``u`` depends on them). Change
-the tile configuration only here, for all three at once.
+because all three kernels build the state with *these* functions. Verify and the snapshot
+(and the folded verify) must also run the same tile shape and ``num_warps``, since the order of
+the K reduction that produces ``u`` depends on them; commit does no reduction (its update is
+elementwise, one rounding per element), so its bits do not depend on its tile and it has its
+own (a departure from DESIGN.md section 2's wording, which has all three share one; tested on
+the H200 by ``tests/test_gdn_ops.py::test_commit_bits_do_not_depend_on_its_tile_on_gpu``).
+Tiles are chosen only here (:func:`gdn_tile_config`).
 
 What the H200 taught us (``scripts/diag_bitwise.py``; ``docs/perf-notes.md``): with the
 key norm summed as a replicated ``[BK]`` vector, the ``k̂`` a program recorded and the one its
@@ -31,10 +35,13 @@ L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
 def l2_normalize(x):
     """``x * rsqrt(sum(x * x) + 1e-6)`` in fp32 (DESIGN.md section 2 writes ``x / sqrt(.)``).
 
-    One multiply per element instead of an IEEE division and square root: within about two
-    ulp of the quotient, and 17 % off verify's time on the H200 (B=64, k=3, fp32 state:
-    103.6 -> 85.7 us, in a variant sweep of ``scripts/tune_gdn.py``; docs/perf-notes.md). Bit identity is
-    unaffected: the value is computed once per token and recorded.
+    One multiply per element instead of an IEEE division and square root. On CUDA ``rsqrt``
+    is ``rsqrt.approx.ftz.f32`` (2 ulp), so ``k̂`` and ``q̂`` land within about 3 ulp of the
+    quotient (the Triton interpreter computes an IEEE ``1/sqrt``). 17 % off verify's time on the
+    H200 (B=64, k=3, fp32 state: 103.4 -> 85.7 us, a variant sweep of ``scripts/tune_gdn.py`` at
+    commit 6d03fc8; docs/perf-notes.md). Bit identity is unaffected: ``k̂`` is computed once per
+    token in the one binary verify and the snapshot share, recorded, and replayed by commit;
+    ``q̂`` only reaches the output.
     """
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
 
@@ -126,28 +133,42 @@ def next_power_of_2(n: int) -> int:
 
 
 #: ``(K, V, state dtype) -> (BV, num_warps)`` measured on the H200 by ``scripts/tune_gdn.py``
-#: (B=64, k=3; docs/perf-notes.md has the runs). ``WINDOW_TILES`` serves verify, the snapshot
+#: (B=64, k=1 and 3; runs in benchmarks/results/tune/, discussed in docs/perf-notes.md). ``WINDOW_TILES`` serves verify, the snapshot
 #: and the folded verify, which must share it (their K reductions make ``u``); commit does no
 #: reduction (its update is elementwise, so its bits do not depend on the tile) and has its own.
 #: ``SNAPSHOT_OWN_TILES`` is the native snapshot's own fastest tile, used only by the benchmark
 #: for a fair baseline (the op itself runs the window tile, for bit identity).
 WINDOW_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (64, 2),  # verify 85.7 us (BV=32/4 warps: 139 us at k=3 before)
+    (128, 128, torch.float32): (64, 2),  # verify 85.7 us at k=3 (rsqrt sweep; BV=32, 4 warps: 166.9 before it)
     (128, 128, torch.bfloat16): (32, 1),  # verify 77.7 us
 }
 COMMIT_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (16, 1),  # 86.1 us, n = W = 4
-    (128, 128, torch.bfloat16): (32, 2),  # 57.1 us
+    (128, 128, torch.float32): (64, 4),  # 70.5 us at k=1, 87.6 at k=3 (BV=16, 1 warp: 86.9, 86.1)
+    (128, 128, torch.bfloat16): (32, 2),  # 57.1 us at k=3 (no k=1 sweep)
 }
 SNAPSHOT_OWN_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (16, 1),  # 189.4 us (193.9 on the window tile)
-    (128, 128, torch.bfloat16): (64, 2),  # 129.6 us (137.5 on the window tile)
+    (128, 128, torch.float32): (16, 1),  # k=3, rsqrt sweep: 189.4 us (193.9 on the window tile)
+    (128, 128, torch.bfloat16): (64, 2),  # k=3, rsqrt sweep: 129.6 us (137.5 on the window tile)
 }
 
 
 def _default_tile(K: int, V: int) -> tuple[int, int, int]:
     bk = next_power_of_2(K)
     return bk, min(next_power_of_2(V), max(8, 4096 // bk)), 4
+
+
+def check_tile(config, K: int) -> tuple[int, int, int]:
+    """A launcher's ``config`` override ``(BK, BV, num_warps)`` (benchmarks and tuning), checked.
+
+    Raises:
+        ValueError: ``BK`` not a power of two covering ``K``, ``BV`` not a power of two, or
+            ``num_warps`` not in 1, 2, 4, 8, 16.
+    """
+    BK, BV, warps = (int(c) for c in config)
+    if BK != next_power_of_2(K) or BV < 1 or BV & (BV - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config: expected (BK = next_pow2(K) = {next_power_of_2(K)}, BV a power of two, "
+                         f"num_warps in 1..16 a power of two), got {tuple(config)}")
+    return BK, BV, warps
 
 
 def gdn_tile_config(K: int, V: int, kernel: str = "window",

@@ -28,6 +28,7 @@ from .._validate import (
 )
 from .._window import clamped_window, load_window
 from .inner import (
+    check_tile,
     gdn_apply,
     gdn_correction,
     gdn_decay,
@@ -188,13 +189,14 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
 
     ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
     tensor or None; ``fold`` is ``(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-    prev_num_accepted_tokens)`` or None. ``config`` overrides ``(BK, BV, num_warps)``
-    (benchmarks only: bit identity with commit holds for the default, shared configuration).
+    prev_num_accepted_tokens)`` or None. ``config`` overrides the window tile ``(BK, BV,
+    num_warps)`` (benchmarks and tuning: commit == snapshot needs the snapshot and verify on one
+    tile; ``ValueError`` for a tile the kernel cannot run, see :func:`check_tile`).
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = src_indices.shape[0]
-    BK, BV, num_warps = config or gdn_tile_config(K, V, "window", state.dtype)
+    BK, BV, num_warps = check_tile(config, K) if config else gdn_tile_config(K, V, "window", state.dtype)
     if B == 0:
         return
     # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
