@@ -296,6 +296,8 @@ def test_tile_tables():
     assert gdn_tile_config(24, 20, "snapshot_own") == gdn_tile_config(24, 20)
     with pytest.raises(ValueError, match="kernel"):
         gdn_tile_config(128, 128, "verify")
+    with pytest.raises(ValueError, match="K, V"):
+        gdn_tile_config(0, 128)
 
 
 @pytest.mark.gpu

@@ -183,8 +183,10 @@ def gdn_tile_config(K: int, V: int, kernel: str = "window",
     elements per 4-warp program.
 
     Raises:
-        ValueError: an unknown ``kernel``.
+        ValueError: an unknown ``kernel``, or ``K`` or ``V`` below 1.
     """
+    if K < 1 or V < 1:
+        raise ValueError(f"K, V: expected >= 1, got {K}, {V}")
     tables = {"window": WINDOW_TILES, "commit": COMMIT_TILES, "snapshot_own": SNAPSHOT_OWN_TILES}
     if kernel not in tables:
         raise ValueError(f"kernel: expected one of {sorted(tables)}, got {kernel!r}")
