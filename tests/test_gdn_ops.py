@@ -338,7 +338,7 @@ def test_tile_override_is_checked_before_launch():
     T, HV, V = inp.q.shape[0], 4, 20
     rec = (torch.zeros(T, HV, V), torch.zeros(T, 2, 24), torch.zeros(T, HV))
     before = pool.clone()
-    for bad in [(16, 8, 1), (32, 12, 1), (32, 8, 3)]:
+    for bad in [(16, 8, 1), (32, 12, 1), (32, 8, 3), (), (32, 8), (32, 8.0, 1), (32, True, 1), (32, 1 << 16, 1)]:
         with pytest.raises(ValueError, match="config"):
             launch_gdn_window(*inp.args()[:5], pool, src, qsl, None, torch.zeros(T, HV, V), rec, 0.2, True, config=bad)
         with pytest.raises(ValueError, match="config"):

@@ -106,7 +106,7 @@ def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indic
     T = rec_u.shape[1]
     B = src_indices.shape[0]
     NBD = boundary_indices.shape[1]
-    BK, BV, num_warps = check_tile(config, K) if config else gdn_tile_config(K, V, "commit", state.dtype)
+    BK, BV, num_warps = check_tile(config, K) if config is not None else gdn_tile_config(K, V, "commit", state.dtype)
     if B == 0 or NL == 0:
         return
     grid = (triton.cdiv(V, BV), B * HV, NL)

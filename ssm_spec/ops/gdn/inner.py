@@ -161,13 +161,22 @@ def check_tile(config, K: int) -> tuple[int, int, int]:
     """A launcher's ``config`` override ``(BK, BV, num_warps)`` (benchmarks and tuning), checked.
 
     Raises:
-        ValueError: ``BK`` not a power of two covering ``K``, ``BV`` not a power of two, or
-            ``num_warps`` not in 1, 2, 4, 8, 16.
+        ValueError: not three integers, ``BK`` other than ``next_pow2(K)``, ``BV`` not a power
+            of two or ``BK * BV`` above Triton's 2**20 elements per tensor, ``num_warps`` not
+            in 1, 2, 4, 8, 16.
     """
-    BK, BV, warps = (int(c) for c in config)
-    if BK != next_power_of_2(K) or BV < 1 or BV & (BV - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"config: expected (BK = next_pow2(K) = {next_power_of_2(K)}, BV a power of two, "
-                         f"num_warps in 1..16 a power of two), got {tuple(config)}")
+    want = next_power_of_2(K)
+    try:
+        ok = len(config) == 3 and all(isinstance(c, int) and not isinstance(c, bool) for c in config)
+    except TypeError:
+        ok = False
+    if ok:
+        BK, BV, warps = config
+        ok = (BK == want and BV >= 1 and not BV & (BV - 1) and BK * BV <= 1 << 20
+              and warps in (1, 2, 4, 8, 16))
+    if not ok:
+        raise ValueError(f"config: expected three ints (BK = next_pow2(K) = {want}, BV a power of two with "
+                         f"BK * BV <= 2**20, num_warps in 1, 2, 4, 8, 16), got {config!r}")
     return BK, BV, warps
 
 

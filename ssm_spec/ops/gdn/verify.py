@@ -196,7 +196,7 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = src_indices.shape[0]
-    BK, BV, num_warps = check_tile(config, K) if config else gdn_tile_config(K, V, "window", state.dtype)
+    BK, BV, num_warps = check_tile(config, K) if config is not None else gdn_tile_config(K, V, "window", state.dtype)
     if B == 0:
         return
     # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
