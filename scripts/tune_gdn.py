@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # bench_ops; tests.helpers
 
 from bench_ops import Shape, Timer, aligned_rows  # noqa: E402
 
 from ssm_spec.ops.gdn.commit import launch_gdn_commit  # noqa: E402
 from ssm_spec.ops.gdn.inner import gdn_tile_config, next_power_of_2  # noqa: E402
 from ssm_spec.ops.gdn.verify import gdn_window_cpu, launch_gdn_window  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
 
 
 def candidates(K: int, V: int):
@@ -82,10 +83,8 @@ def identical(shape: Shape, config, device) -> tuple[bool, dict]:
     cpu_rec = tuple(torch.empty(r.shape) for r in rec)
     gdn_window_cpu(*(a.cpu().float() for a in args), pool.cpu().float(), src.cpu(), qsl.cpu(), None, cpu_out,
                    cpu_rec, shape.K**-0.5, True)
-    def rel(a, b):
-        return ((a.cpu().double() - b.double()).norm() / b.double().norm()).item()
-
-    errs = {"out_rel_err": rel(out, cpu_out), "u_rel_err": rel(rec[0], cpu_rec[0]), "k_rel_err": rel(rec[1], cpu_rec[1])}
+    errs = {"out_rel_err": rel_err(out.cpu(), cpu_out), "u_rel_err": rel_err(rec[0].cpu(), cpu_rec[0]),
+            "k_rel_err": rel_err(rec[1].cpu(), cpu_rec[1])}
     snaps = pool.clone()
     launch_gdn_window(*args, snaps, src, qsl, torch.arange(B, B + T, **i32), out.clone(), None, shape.K**-0.5, True,
                       config=config)
@@ -118,7 +117,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--device cpu runs the kernels under the Triton interpreter: set TRITON_INTERPRET=1 before Python starts")
+        p.error("--device cpu runs the kernels under the Triton interpreter: "
+                "set TRITON_INTERPRET=1 before Python starts")
     if dev.type == "cuda" and not torch.cuda.is_available():
         p.error("no CUDA device here (for a smoke test: TRITON_INTERPRET=1 python scripts/tune_gdn.py --device cpu)")
     dim = args.head_dim or (128 if dev.type == "cuda" else 16)
@@ -164,7 +164,8 @@ def main(argv=None) -> int:
                **{f"{k}_us": v for k, v in times.items()}, "verify+commit_us": times["verify"] + times["commit"]}
         rows.append(row)
         print(f"BK={cfg[0]:4d} BV={cfg[1]:4d} warps={cfg[2]} | verify {times['verify']:9.2f} commit "
-              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} | rel err u {errs['u_rel_err']:.1e} "
+              f"{times['commit']:9.2f} snapshot {times['snapshot']:9.2f} us | identical {ok} | "
+              f"rel err u {errs['u_rel_err']:.1e} "
               f"k {errs['k_rel_err']:.1e} out {errs['out_rel_err']:.1e}",
               flush=True)
     good = [r for r in rows if r["identical"]]

@@ -59,8 +59,8 @@ def gdn_decay(b_h, b_d, USE_PTX: tl.constexpr):
 
 @triton.jit
 def l2_normalize_key(b_k, BK: tl.constexpr, BV: tl.constexpr):
-    """``k * rsqrt(sum(k * k) + 1e-6)`` (as :func:`l2_normalize`) for a ``[BK]`` key, with the sum taken over the key
-    broadcast to the ``[BK, BV]`` state tile (every column holds the same sum; ``max`` picks it).
+    """``k * rsqrt(sum(k * k) + 1e-6)`` (as :func:`l2_normalize`) for a ``[BK]`` key, with the
+    sum taken over the key broadcast to the ``[BK, BV]`` state tile (every column holds the same sum; ``max`` picks it).
 
     Summed as a replicated ``[BK]`` vector, the norm that reached the recorded ``k̂`` and the
     one that reached the state update differed in the last bit on the H200 for some shapes
@@ -133,8 +133,8 @@ def next_power_of_2(n: int) -> int:
 
 
 #: ``(K, V, state dtype) -> (BV, num_warps)`` measured on the H200 by ``scripts/tune_gdn.py``
-#: (B=64, k=1 and 3; runs in benchmarks/results/tune/, discussed in docs/perf-notes.md). ``WINDOW_TILES`` serves verify, the snapshot
-#: and the folded verify, which must share it (their K reductions make ``u``); commit does no
+#: (B=64, k=1 and 3; runs in benchmarks/results/tune/, discussed in docs/perf-notes.md).
+#: ``WINDOW_TILES`` serves verify, the snapshot and the folded verify, which must share it (their K reductions make ``u``); commit does no
 #: reduction (its update is elementwise, so its bits do not depend on the tile) and has its own.
 #: ``SNAPSHOT_OWN_TILES`` is the native snapshot's own fastest tile, used only by the benchmark
 #: for a fair baseline (the op itself runs the window tile, for bit identity).

@@ -123,8 +123,8 @@ def gdn_window_kernel(
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         t = bos.to(tl.int64)  # int64 token offsets
         # Software pipelining by hand: the inputs of token t + 1 are loaded while token t is
-        # computed, the first token's with the state tile (a while loop over loaded bounds is not pipelined by Triton, and the
-        # interpreter of Triton 3.6 cannot range() over them).
+        # computed, the first token's with the state tile (a while loop over loaded bounds is
+        # not pipelined by Triton, and Triton 3.6's interpreter cannot range() over them).
         n_q, n_k, n_v, n_g, n_beta = load_window_token(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
             s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
