@@ -16,7 +16,6 @@ non-strict tracing).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .modules import RecoverGatedDeltaNet, RecoverShortConv
@@ -59,19 +58,13 @@ class VerifyForward(nn.Module):
 
     @staticmethod
     def _gdn(layer: RecoverGatedDeltaNet, x, state, conv_state, slots, qsl):
-        T = x.shape[0]
-        H, HV, K, V = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+        """The layer's own forward (projections, gates, output) around the functional verify ops."""
         mixed, z, b, a = layer.project(x)
         conv_out, rec_x = torch.ops.ssm_spec.short_conv_verify_functional(
             mixed, layer.conv1d.weight[:, 0], layer.conv1d.bias, conv_state, slots, qsl, 1, "silu")
-        q = conv_out[:, : layer.key_dim].unflatten(1, (H, K))
-        k = conv_out[:, layer.key_dim : 2 * layer.key_dim].unflatten(1, (H, K))
-        v = conv_out[:, 2 * layer.key_dim :].unflatten(1, (HV, V))
-        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
         core, u, khat, decay = torch.ops.ssm_spec.gdn_verify_functional(
-            q, k, v, g, b.sigmoid(), state, slots, qsl, K**-0.5, True)
-        y = layer.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, layer.value_dim)
-        return layer.out_proj(y), (u, khat, decay, rec_x)
+            *layer.gates(conv_out, a, b), state, slots, qsl, layer.head_k_dim**-0.5, True)
+        return layer.output(core, z), (u, khat, decay, rec_x)
 
     def forward(self, hidden: torch.Tensor, gdn_states: list[torch.Tensor], conv_states: list[torch.Tensor],
                 state_indices: torch.Tensor, query_start_loc: torch.Tensor):
@@ -101,12 +94,13 @@ def example_inputs(module: VerifyForward, num_slots: int, lengths, device=None, 
     for layer in module.layers:
         if isinstance(layer, RecoverGatedDeltaNet):
             hidden_size = layer.hidden_size
-            gdn.append(torch.randn(num_slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, generator=gen))
-            conv.append(torch.randn(num_slots, layer.conv_kernel_size - 1, layer.conv_dim, generator=gen))
         else:
             hidden_size = hidden_size or layer.channels
-            conv.append(torch.randn(num_slots, (layer.kernel_size - 1) * layer.dilation, layer.channels,
-                                    generator=gen))
+        for kind, spec in layer.state_specs():  # the pool's own shapes, GDN state before conv state
+            if kind == "gdn":
+                gdn.append(torch.randn(num_slots, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, generator=gen))
+            else:
+                conv.append(torch.randn(num_slots, spec.state_len, spec.channels, generator=gen))
     T = sum(lengths)
     qsl = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     hidden = torch.randn(T, hidden_size, generator=gen).to(dtype)

@@ -147,6 +147,24 @@ class RecoverGatedDeltaNet(nn.Module):
         z = self.in_proj_z(hidden).view(T, HV, V)
         return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
 
+    def gates(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+        """The GDN inputs from the conv output and the gate projections (DESIGN.md section 2; the
+        gating of transformers' Qwen3-Next / Qwen3.5 layers): ``q, k [T, H, K]`` and
+        ``v [T, HV, V]`` as views of ``conv_out [T, 2*H*K + HV*V]``, the fp32 log decay
+        ``g = -exp(A_log) * softplus(a + dt_bias)`` ``[T, HV]`` and ``beta = sigmoid(b)`` ``[T, HV]``."""
+        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q = conv_out[:, : self.key_dim].unflatten(1, (H, K))
+        k = conv_out[:, self.key_dim : 2 * self.key_dim].unflatten(1, (H, K))
+        v = conv_out[:, 2 * self.key_dim :].unflatten(1, (HV, V))
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v, g, b.sigmoid()
+
+    def output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``core [T, HV, V]`` gated by ``z [T, HV, V]`` through the layer's RMSNorm, then
+        ``out_proj``: ``[T, hidden]``."""
+        T, HV, V = core.shape
+        return self.out_proj(self.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, self.value_dim))
+
     def forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
         """``hidden [T, hidden]`` -> ``[T, hidden]`` for the step described by ``metadata``.
         Args:
@@ -172,15 +190,11 @@ class RecoverGatedDeltaNet(nn.Module):
                 raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
             fold = pool.fold_plan(metadata)
         T = hidden.shape[0]
-        H, HV, K, V = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)
         conv_out = run_short_conv(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, pool.conv_state(self),
                                   pool.conv_record(self, pool.max_tokens), metadata, 1, "silu", pool)
-        q = conv_out[:, : self.key_dim].unflatten(1, (H, K))
-        k = conv_out[:, self.key_dim : 2 * self.key_dim].unflatten(1, (H, K))
-        v = conv_out[:, 2 * self.key_dim :].unflatten(1, (HV, V))
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        q, k, v, g, beta = self.gates(conv_out, a, b)
         state = pool.gdn_state(self)
         core = torch.zeros((T, HV, V), dtype=v.dtype, device=v.device)
         scale = K**-0.5
@@ -209,5 +223,4 @@ class RecoverGatedDeltaNet(nn.Module):
             for (_, slot), s in zip(row.boundaries, bounds):
                 state[slot] = s.detach()  # the pool never joins an autograd graph
             state[row.dst] = final.detach()
-        y = self.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, self.value_dim)
-        return self.out_proj(y)
+        return self.output(core, z)
