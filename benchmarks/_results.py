@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 import re
+import time
 from pathlib import Path
 
 
@@ -38,6 +39,23 @@ def pyplot():
         print("matplotlib is not installed: no plot")
         return None
     return plt
+
+
+class Clock:
+    """``time.perf_counter`` with a device synchronisation before each reading (seconds)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 def device_name(device) -> str:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import importlib.util
 import math
 import platform
@@ -69,7 +68,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import HelpFormatter, pyplot, write_results
+from _results import Clock, HelpFormatter, device_name, pyplot, write_results
 
 from ssm_spec.hf.kernels import hf_reference_kernels
 
@@ -111,18 +110,6 @@ class Phases:
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + self.clock() - t0
 
-
-class Clock:
-    """``time.perf_counter`` with a device synchronisation before each reading."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
 
 def output_cache(out):
@@ -204,11 +191,10 @@ def environment(device: torch.device) -> dict:
         "causal_conv1d_importable": importlib.util.find_spec("causal_conv1d") is not None,
         "triton": package_version("triton"),
     }
+    env["device"] = device_name(device)
     if device.type == "cuda":
-        env["device"] = torch.cuda.get_device_name(device)
         env["driver_capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
     else:
-        env["device"] = f"cpu-{platform.machine() or 'unknown'}"
         env["cpu_threads"] = torch.get_num_threads()
     return env
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import HelpFormatter, device_name, pyplot, slug, write_results
+from _results import Clock, HelpFormatter, device_name, pyplot, slug, write_results
 
 from graphs import SpecDecodeGraphRunner
 from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
@@ -77,14 +77,6 @@ def forced_tokens(window: torch.Tensor, accepted: torch.Tensor, vocab: int) -> t
     return torch.where(keep, nxt, (nxt + 1) % vocab).reshape(-1)
 
 
-def _clock(device):
-    def tick():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return tick
-
-
 @torch.no_grad()
 def run(args) -> dict:
     dev = torch.device(args.device)
@@ -96,7 +88,7 @@ def run(args) -> dict:
     stack = DecoderStack(**widths, max_len=args.prompt_len + 2 * wmax, num_slots=bmax, device=dev, dtype=dtype)
     stack.randomize(0).eval()
     model = PatternForced(stack, bmax * wmax, dev)
-    tick = _clock(dev)
+    tick = Clock(dev)
     rows = []
     for k in args.k:
         W = k + 1

@@ -104,8 +104,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
     model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model)}
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
-    _wrap_generate(model)
-    _wrap_forward(model)
+    _bind(model, "generate", _generate)
+    _bind(model, "forward", _forward)
     return model
 
 
@@ -159,10 +159,3 @@ def _bind(model, name, fn):
 
     setattr(model, name, types.MethodType(method, model))
 
-
-def _wrap_generate(model):
-    _bind(model, "generate", _generate)
-
-
-def _wrap_forward(model):
-    _bind(model, "forward", _forward)

@@ -164,9 +164,7 @@ def gdn_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, p
     T, H, K = q.shape
     HV, V = v.shape[-2:]
     if record is None:
-        record = ReplayRecord(torch.empty((T, HV, V), dtype=torch.float32, device=v.device),
-                              torch.empty((T, H, K), dtype=torch.float32, device=v.device),
-                              torch.empty((T, HV), dtype=torch.float32, device=v.device))
+        record = ReplayRecord.empty(q, v)
     if not (isinstance(prev_record, tuple) and len(prev_record) == 3):
         fail(OP, "prev_record", type(prev_record).__name__, "the ReplayRecord (u, k, decay) of the previous verify")
     if do_validate:

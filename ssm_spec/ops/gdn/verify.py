@@ -55,6 +55,13 @@ class ReplayRecord(NamedTuple):
     k: torch.Tensor
     decay: torch.Tensor
 
+    @classmethod
+    def empty(cls, q: torch.Tensor, v: torch.Tensor) -> ReplayRecord:
+        """An uninitialised fp32 record for the ``T`` tokens of ``q [T, H, K]``, ``v [T, HV, V]``."""
+        (T, H, K), (HV, V) = q.shape, v.shape[-2:]
+        f32 = dict(dtype=torch.float32, device=v.device)
+        return cls(torch.empty((T, HV, V), **f32), torch.empty((T, H, K), **f32), torch.empty((T, HV), **f32))
+
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -381,13 +388,8 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
     """
     do_validate, scale, out = prepare_window_call("gdn_verify", q, k, v, g, beta, state, scale,
                                                   use_qk_l2norm, validate)
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    record = ReplayRecord(
-        u=torch.empty((T, HV, V), dtype=torch.float32, device=v.device),
-        k=torch.empty((T, H, K), dtype=torch.float32, device=v.device),
-        decay=torch.empty((T, HV), dtype=torch.float32, device=v.device),
-    )
+    T = q.shape[0]
+    record = ReplayRecord.empty(q, v)
     if do_validate:
         check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                    query_start_loc, out, *record)
