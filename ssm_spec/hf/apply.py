@@ -13,6 +13,7 @@ from torch import nn
 
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
+from .graphed import SUPPORTED_ATTENTION
 
 __all__ = ["apply_recoverssm", "is_converted", "draft_length", "cache_kwarg"]
 
@@ -61,7 +62,8 @@ def draft_length(generation_config, kwargs) -> int:
     return 0
 
 
-def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None) -> nn.Module:
+def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
+                     cuda_graphs: bool | None = None) -> nn.Module:
     """Convert a Qwen3-Next or Qwen3.5 model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -79,19 +81,35 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             their GatedDeltaNet layers as ``linear_attn``), on any device and dtype.
         state_dtype: recurrent state dtype of the caches it creates: ``torch.float32`` (the
             default) or ``torch.bfloat16``.
+        cuda_graphs: ``True``: ``generate`` at batch 1 (unpadded rows) uses a cache with
+            static attention buffers (``RecoverSSMCache(max_cache_len=...)``, sized for the
+            call) and replays every forward after the prompt from a CUDA graph captured on its
+            first use (:mod:`ssm_spec.hf.graphed`; off CUDA the same forward runs eagerly). The
+            cache and its graphs are kept on the model and reused by the next ``generate``
+            call that fits them (a cache returned by an earlier call is reset then). Other
+            calls (padded batches, a cache passed in) use the plain cache. ``None`` keeps the
+            current setting (initially off).
 
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
-            ``state_dtype``.
+            ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
+            sdpa or eager.
 
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
     """
     if state_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"apply_recoverssm: state_dtype: got {state_dtype}; expected torch.float32 or torch.bfloat16")
+    if cuda_graphs:
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(f"apply_recoverssm: cuda_graphs: attention implementation {impl!r}; supported: "
+                             f"{SUPPORTED_ATTENTION} (load the model with attn_implementation='sdpa')")
     if is_converted(model):
         if state_dtype is not None:
             model._recoverssm["state_dtype"] = state_dtype
+        if cuda_graphs is not None:
+            model._recoverssm["cuda_graphs"] = bool(cuda_graphs)
         return model
     found = 0
     for parent in list(model.modules()):
@@ -102,7 +120,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model)}
+    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model),
+                         "cuda_graphs": bool(cuda_graphs), "graph_cache": _KeptCache()}
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
     _bind(model, "generate", _generate)
     _bind(model, "forward", _forward)
@@ -124,7 +143,10 @@ def _generate(self, *args, **kwargs):
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
     if cache is None:
-        cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"])
+        graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
+        cache = _graph_cache(self, named, gen_config, R) if graphs else None
+        if cache is None:
+            cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"])
         kwargs[key] = cache
     elif isinstance(cache, RecoverSSMCache):
         cache.max_pending = max(cache.max_pending, R)
@@ -139,9 +161,69 @@ def _generate(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+def _is_assistant_call(generation_config, named) -> bool:
+    """Whether this ``generate`` drafts for another model's (transformers marks the assistant's
+    generation config ``is_assistant``); the model may be that other model itself, whose kept
+    graphed cache is in use, so such a call gets a plain cache."""
+    flag = named.get("is_assistant")
+    return bool(getattr(generation_config, "is_assistant", False) if flag is None else flag)
+
+
+class _KeptCache:
+    """Holds a model's graphed cache between ``generate`` calls; a copy of the model (deepcopy)
+    starts without one (CUDA graphs cannot be copied, and they point at the original's buffers)."""
+
+    def __init__(self):
+        self.cache = None
+
+    def __deepcopy__(self, memo):
+        return _KeptCache()
+
+
+GRAPH_CACHE_ROUND = 256  # a graphed cache's max_cache_len is rounded up to this many tokens (reuse across calls)
+
+
+def _graph_cache(model, named, gen_config, R):
+    """The cache of a ``cuda_graphs`` generate call: the model's kept one when it fits (same
+    batch size and state dtype, enough tokens and pending depth), else a new one kept in its
+    place; ``None`` (the plain cache) for padded or embedding inputs."""
+    prompt = named.get("inputs")
+    if prompt is None:
+        prompt = named.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or named.get("inputs_embeds") is not None:
+        return None
+    mask = named.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return None
+    B, P = prompt.shape
+    new = named.get("max_new_tokens") or getattr(gen_config, "max_new_tokens", None)
+    total = P + int(new) if new is not None else int(named.get("max_length") or gen_config.max_length or P)
+    need = total + R + 1
+    state_dtype = model._recoverssm["state_dtype"]
+    kept = model._recoverssm.setdefault("graph_cache", _KeptCache())
+    cache = kept.cache
+    rb = cache.rollback if cache is not None else None
+    if (cache is not None and cache.kv_capacity >= need and cache.state_dtype == state_dtype
+            and (rb is None or rb.batch_size == B)):
+        cache.reset()
+        cache.max_pending = max(cache.max_pending, R)
+        return cache
+    length = -(-need // GRAPH_CACHE_ROUND) * GRAPH_CACHE_ROUND
+    cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length)
+    kept.cache = cache
+    return cache
+
+
 def _forward(self, *args, **kwargs):
-    """``forward`` of a converted model: a RecoverSSMCache when a cache is wanted and none given."""
+    """``forward`` of a converted model: a RecoverSSMCache when a cache is wanted and none given;
+    a cache with ``max_cache_len`` runs the forward through its graphed path."""
     key = self._recoverssm["cache_kwarg"]
+    cache = kwargs.get(key, kwargs.get("past_key_values"))
+    if isinstance(cache, RecoverSSMCache) and cache.graphed is not None:
+        if args:
+            kwargs = {**inspect.signature(type(self).forward).bind_partial(self, *args).arguments, **kwargs}
+            kwargs.pop("self", None)
+        return cache.graphed(self, kwargs)
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(self.config, "use_cache", False)

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionLayer
 
 from .rollback import RollbackPool
+from .static_kv import StaticAttentionLayer
 
 __all__ = ["RecoverSSMCache", "RecoverLinearAttentionLayer", "AcceptanceStats"]
 
@@ -114,8 +115,17 @@ class RecoverSSMCache(DynamicCache):
             converted ``generate`` raises it to the draft length it will use. A prompt forward
             runs the chunked prefill over all but its last ``max_pending`` tokens.
         state_dtype: recurrent state dtype, ``torch.float32`` (default) or ``torch.bfloat16``.
+        max_cache_len: ``None`` (default): attention layers grow as transformers' own do. An
+            int: attention layers are :class:`~ssm_spec.hf.static_kv.StaticAttentionLayer`
+            buffers of this many tokens and every forward of the converted model runs through
+            :class:`~ssm_spec.hf.graphed.GraphedForward` (``graphed``), which captures verify
+            forwards as CUDA graphs on a GPU (``apply_recoverssm(model, cuda_graphs=True)``
+            makes such caches).
 
     Attributes:
+        kv_capacity: ``max_cache_len`` (``None`` without static attention buffers).
+        graphed: the :class:`~ssm_spec.hf.graphed.GraphedForward` of a cache with
+            ``max_cache_len`` (else ``None``).
         stats: :class:`AcceptanceStats` of the speculative rounds seen by ``crop``.
         prompt_len: tokens of the first forward that are prompt (set by the converted
             ``generate``; used only to count the first round's drafts).
@@ -127,8 +137,10 @@ class RecoverSSMCache(DynamicCache):
         ValueError: from ``crop``, a rollback deeper than the tokens held (nothing changes).
     """
 
-    def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32):
+    def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32,
+                 max_cache_len: int | None = None):
         from .adapter import RecoverGDNAdapter
+        from .graphed import GraphedForward
 
         if int(max_pending) < 1:
             raise ValueError(f"RecoverSSMCache: max_pending: got {max_pending}; expected >= 1")
@@ -140,12 +152,20 @@ class RecoverSSMCache(DynamicCache):
         self.adapters = [m for m in model.modules() if isinstance(m, RecoverGDNAdapter)]
         if not self.adapters:
             raise ValueError("RecoverSSMCache: the model has no converted GDN layer; call apply_recoverssm(model)")
+        if max_cache_len is not None and int(max_cache_len) < 1:
+            raise ValueError(f"RecoverSSMCache: max_cache_len: got {max_cache_len}; expected >= 1 or None")
         linear = {a.layer_idx for a in self.adapters}
         for i in linear:
             if i >= len(self.layers):
                 raise ValueError(f"RecoverSSMCache: converted layer index {i} is outside the config's "
                                  f"{len(self.layers)} layers")
             self.layers[i] = RecoverLinearAttentionLayer()
+        self.kv_capacity = None if max_cache_len is None else int(max_cache_len)
+        if self.kv_capacity is not None:
+            for i in range(len(self.layers)):
+                if i not in linear:
+                    self.layers[i] = StaticAttentionLayer(self.kv_capacity)
+        self.graphed = GraphedForward(self) if self.kv_capacity is not None else None
         self.max_pending = int(max_pending)
         self.state_dtype = state_dtype
         self.rollback: RollbackPool | None = None
@@ -162,17 +182,19 @@ class RecoverSSMCache(DynamicCache):
         converted layer, or when a layer index repeats)."""
         B, L = hidden.shape[:2]
         if self._last_layer is None or adapter.layer_idx <= self._last_layer:
-            self._begin_forward(B, L, hidden)
+            self._begin_forward(B, L, hidden.dtype, hidden.device)
         self._last_layer = adapter.layer_idx
         return self.rollback.run(adapter, hidden)
 
-    def _begin_forward(self, B, L, hidden):
+    def _begin_forward(self, B, L, dtype, device):
+        """Plan a forward of ``L`` tokens for each of ``B`` rows on the rollback pool (made here
+        on the first forward, with ``dtype`` conv states on ``device``)."""
         rb = self.rollback
         if rb is None or rb.batch_size != B:
             if rb is not None and rb.seen:
                 raise ValueError(f"RecoverSSMCache: batch size changed from {rb.batch_size} to {B} mid-sequence")
             self.rollback = rb = RollbackPool(self.adapters, B, self.max_pending,
-                                              dtype=self.state_dtype, conv_dtype=hidden.dtype, device=hidden.device)
+                                              dtype=self.state_dtype, conv_dtype=dtype, device=device)
         rb.max_pending = max(rb.max_pending, self.max_pending)
         rb.begin_forward(L)
         self._forwards += 1
@@ -219,7 +241,12 @@ class RecoverSSMCache(DynamicCache):
         super().reorder_cache(beam_idx)
 
     def reset(self):
-        self.rollback = None
+        """Forget every token. A cache with ``max_cache_len`` keeps its buffers (and so its
+        captured graphs) for the next sequence of the same batch size."""
+        if self.graphed is not None and self.rollback is not None:
+            self.rollback.reset()
+        else:
+            self.rollback = None
         self.stats = AcceptanceStats()
         self.prompt_len = None
         self._last_layer = None

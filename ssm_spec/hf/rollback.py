@@ -97,6 +97,14 @@ class RollbackPool:
             raise RuntimeError("RollbackPool: no forward has begun")
         return self._plan
 
+    def reset(self) -> None:
+        """Forget every token (the next forward starts a sequence); buffers, slots and the
+        cached metadata stay, so CUDA graphs captured on them stay valid."""
+        self.seen = 0
+        self._pending.clear()
+        self._pending_len = self._scratch_len = self._unabsorbed = 0
+        self._plan = None
+
     # ------------------------------------------------------------------ forward
     def begin_forward(self, num_tokens: int) -> _Plan:
         """Plan a forward of ``num_tokens`` tokens per row (host ints only; launches at most one

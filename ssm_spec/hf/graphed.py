@@ -1,0 +1,255 @@
+"""``GraphedForward``: a converted model's decode and verify forwards replayed as CUDA graphs.
+
+At batch 1 a forward of a 0.5 B model launches ~550 kernels from transformers' Python code and
+ours, and the host takes 10-20 ms to do so while the kernels need ~1.3 ms (docs/perf-notes.md):
+``generate`` is host-bound, and a speculative round gains only its accepted length. Capture
+removes the host from the step, as engines do (DESIGN.md section 6); this brings it to
+Hugging Face's ``generate`` without changing transformers:
+
+* the cache's attention layers are :class:`~ssm_spec.hf.static_kv.StaticAttentionLayer`
+  (buffers allocated once, written at positions held in a device tensor), its GDN layers the
+  :class:`~ssm_spec.hf.rollback.RollbackPool` (slots and record buffers allocated once; the
+  forward's metadata cached per shape);
+* the host work of a forward (the rollback plan, commits of retired tokens, positions) runs
+  eagerly before the model; the model itself runs with explicit ``position_ids`` and a
+  ready-made attention mask (``{"full_attention": [1, 1, L, max_cache_len] mask,
+  "linear_attention": None}``, the mask mapping transformers' Qwen3-Next / Qwen3.5 models
+  accept), so nothing in it depends on a host integer that changes between steps;
+* a forward of ``L`` tokens that only verifies (every forward after the prompt, up to the
+  cache's ``max_pending`` tokens, at most ``MAX_CAPTURE_TOKENS``) is captured once per
+  ``(L, plan)`` into one graph memory pool and replayed afterwards; the prompt forward
+  (chunked prefill), and anything off CUDA, runs the same body eagerly.
+
+Capture first runs the forward eagerly on a side stream with host syncs turned into errors; a
+model that synchronises (for example a mixture-of-experts layer that routes on the host) or
+that CUDA graphs cannot hold falls back to eager forwards with one warning, never to wrong
+results. Replaying is exact: the graph runs the same kernels on the same inputs as the eager
+body (tests/test_hf_graphs.py compares them token for token on the GPU).
+"""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .static_kv import StaticAttentionLayer
+
+__all__ = ["GraphedForward", "SUPPORTED_ATTENTION"]
+
+#: Forwards of more tokens than this run eagerly (a prompt fed without prefill, an assistant's
+#: long draft): each token count is a graph of its own, worth keeping only for the short ones.
+MAX_CAPTURE_TOKENS = 64
+
+#: Attention implementations whose mask format the graphed forward builds.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+# keyword arguments generate passes that the graphed forward accounts for itself
+_HANDLED = {"input_ids", "attention_mask", "position_ids", "cache_position", "use_cache", "return_dict",
+            "logits_to_keep", "past_key_values", "cache"}
+# keyword arguments that may be passed with these values and change nothing
+_NEUTRAL = {"output_attentions": (None, False), "output_hidden_states": (None, False), "inputs_embeds": (None,),
+            "token_type_ids": (None,), "labels": (None,)}
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    plan: object  # the RollbackPool plan the graph's metadata tensors belong to
+    pool: object  # the StatePool whose buffers it reads and writes
+    input_ids: torch.Tensor  # [B, L] int64, static
+    position_ids: torch.Tensor  # [1, L] int64, static
+    logits: torch.Tensor  # [B, L, vocab], static output
+
+
+class GraphedForward:
+    """Runs every forward of a :class:`~ssm_spec.hf.RecoverSSMCache` built with
+    ``max_cache_len``: eagerly for prompts, from captured CUDA graphs for verify forwards.
+
+    Args:
+        cache: the cache (its attention layers are :class:`StaticAttentionLayer`).
+
+    Attributes:
+        capture: capture and replay CUDA graphs (default ``True``; ``False`` runs every
+            forward eagerly on the same static buffers, for comparisons).
+        graphs: ``{(batch, tokens, id(plan)): _Graph}`` captured so far.
+        failed: why capture was abandoned for this cache (``None`` while it works), with the
+            innermost frames of the failing call.
+        replays / eager_forwards: forwards served each way (for reports and tests).
+    """
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.capture = True
+        self.graphs: dict = {}
+        self.mempool = None
+        self.failed: str | None = None
+        self.replays = 0
+        self.eager_forwards = 0
+        self._kv_arange: torch.Tensor | None = None
+        self._arange: torch.Tensor | None = None
+        self._output_type = None
+        self._output_cache_field = None
+
+    # ------------------------------------------------------------------ public
+    @torch.no_grad()
+    def __call__(self, model, kwargs: dict):
+        """One forward of ``model`` (keyword arguments as transformers' ``forward`` takes them).
+
+        ``input_ids [B, L]`` int64 is required; positions are the cache's length onward (what
+        ``generate`` passes at batch 1); an ``attention_mask`` must mark no padding (checked on
+        the first forward, where it is all the mask there is; later forwards only append).
+
+        Returns:
+            the model's output class with ``logits [B, L', vocab]`` (``L'`` as
+            ``logits_to_keep`` asks) and the cache; the logits are a fresh tensor.
+
+        Raises:
+            ValueError: ``inputs_embeds`` instead of ``input_ids``; padding in the attention
+                mask; more tokens than the cache's ``max_cache_len``; an attention
+                implementation other than sdpa / eager; another batch size than the cache's.
+        """
+        cache = self.cache
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError("GraphedForward: needs input_ids (inputs_embeds is not supported with cuda_graphs)")
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(f"GraphedForward: attention implementation {impl!r}; cuda_graphs supports "
+                             f"{SUPPORTED_ATTENTION}")
+        B, L = input_ids.shape
+        seen = cache.get_seq_length()
+        if seen + L > cache.kv_capacity:
+            raise ValueError(f"GraphedForward: {seen} cached + {L} new tokens exceed max_cache_len "
+                             f"{cache.kv_capacity}; create the RecoverSSMCache with a larger max_cache_len")
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if isinstance(mask, dict) or mask.dim() != 2 or mask.shape[-1] != seen + L:
+                raise ValueError("GraphedForward: expected a 2-D attention mask over the cached and new tokens")
+            if seen == 0 and not bool(mask.all()):
+                raise ValueError("GraphedForward: padding in the attention mask is not supported with cuda_graphs "
+                                 "(use batch 1 or unpadded rows, or convert without cuda_graphs)")
+        extra = {k: v for k, v in kwargs.items() if k not in _HANDLED}
+        plain = all(k in _NEUTRAL and v in _NEUTRAL[k] for k, v in extra.items())
+        dtype = model.get_input_embeddings().weight.dtype
+        cache._begin_forward(B, L, dtype, input_ids.device)
+        plan = cache.rollback.plan
+        capture = (self.capture and plain and input_ids.is_cuda and plan.prefill is None
+                   and L <= MAX_CAPTURE_TOKENS and self.failed is None)
+        logits = None
+        if capture:
+            logits = self._replay(model, input_ids, seen, plan)
+        if logits is None:
+            logits = self._eager(model, input_ids, seen, extra)
+        for layer in self._static_layers():
+            layer.length = seen + L
+        keep = kwargs.get("logits_to_keep") or 0
+        if isinstance(keep, int) and keep > 0:
+            logits = logits[:, -keep:]
+        elif isinstance(keep, torch.Tensor):
+            logits = logits[:, keep]
+        return self._output_type(logits=logits, **{self._output_cache_field: cache})
+
+    # ------------------------------------------------------------------ the forward body
+    def _static_layers(self):
+        return [layer for layer in self.cache.layers if isinstance(layer, StaticAttentionLayer)]
+
+    def _mask(self, model, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[1, 1, L, max_cache_len]``: query ``i`` sees cache rows ``0 .. position_ids[0, i]``
+        (bool for sdpa, additive for the eager implementation)."""
+        allowed = self._kv_arange[None, None, None, :] <= position_ids[:, None, :, None]
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            return allowed
+        dtype = model.get_input_embeddings().weight.dtype
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return zero.masked_fill(~allowed, torch.finfo(dtype).min)
+
+    def _body(self, model, input_ids, position_ids, extra=None):
+        """The model on explicit positions and mask; returns its output (logits for every token)."""
+        cache = self.cache
+        cache._last_layer = -1  # the plan is begun (by __call__): the converted layers must not begin another
+        for layer in self._static_layers():
+            layer.write_index = position_ids[0]
+        mask = {"full_attention": self._mask(model, position_ids), "linear_attention": None}
+        key = model._recoverssm["cache_kwarg"]
+        out = type(model).forward(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                  use_cache=True, logits_to_keep=0, return_dict=True, **{key: cache},
+                                  **(extra or {}))
+        if self._output_type is None:
+            self._output_type = type(out)
+            self._output_cache_field = next(k for k, v in out.items() if v is cache)
+        return out
+
+    def _positions(self, seen: int, L: int, device) -> torch.Tensor:
+        if self._arange is None or self._arange.device != device:
+            self._arange = torch.arange(self.cache.kv_capacity, device=device)
+            self._kv_arange = self._arange
+        return self._arange[seen:seen + L][None]
+
+    def _eager(self, model, input_ids, seen, extra):
+        self.eager_forwards += 1
+        pos = self._positions(seen, input_ids.shape[1], input_ids.device)
+        return self._body(model, input_ids, pos, extra).logits
+
+    # ------------------------------------------------------------------ capture and replay
+    def _replay(self, model, input_ids, seen, plan):
+        B, L = input_ids.shape
+        rb = self.cache.rollback
+        entry = self.graphs.get((B, L, id(plan)))
+        if entry is not None and (entry.plan is not plan or entry.pool is not rb.pool):
+            entry = None  # the rollback pool was rebuilt: the graph's tensors are gone
+        positions = self._positions(seen, L, input_ids.device)
+        if entry is None:
+            entry = self._capture(model, input_ids, positions, plan)
+            if entry is None:
+                return None
+            self.graphs[(B, L, id(plan))] = entry
+        else:
+            entry.input_ids.copy_(input_ids)
+            entry.position_ids.copy_(positions)
+        entry.graph.replay()
+        self.replays += 1
+        return entry.logits.clone()
+
+    def _capture(self, model, input_ids, positions, plan):
+        """Warm up (host syncs raise), capture and return the graph of this forward, or ``None``
+        after a warning when the model cannot be captured (``failed`` says why)."""
+        static_ids = input_ids.clone()
+        static_pos = positions.clone()
+        device = input_ids.device
+        mode = torch.cuda.get_sync_debug_mode()
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(stream):
+                _sync_debug("error")
+                try:
+                    self._body(model, static_ids, static_pos)  # a real forward: writes what replay will
+                finally:
+                    _sync_debug(mode)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            if self.mempool is None:
+                self.mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.mempool):
+                out = self._body(model, static_ids, static_pos)
+        except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
+            torch.cuda.synchronize(device)
+            frames = traceback.extract_tb(exc.__traceback__)[-4:]
+            where = "; ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames)
+            self.failed = f"{type(exc).__name__}: {exc} (at {where})"
+            warnings.warn("apply_recoverssm(cuda_graphs=True): this model's forward cannot be captured (it "
+                          f"synchronises with the host or runs what CUDA graphs cannot hold); running eagerly. "
+                          f"{self.failed}", RuntimeWarning, stacklevel=4)
+            return None
+        rb = self.cache.rollback
+        return _Graph(graph, plan, rb.pool, static_ids, static_pos, out.logits)
+
+
+def _sync_debug(mode) -> None:
+    """``torch.cuda.set_sync_debug_mode`` without its "prototype feature" warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode(mode)

@@ -1,0 +1,206 @@
+"""``apply_recoverssm(model, cuda_graphs=True)``: static attention buffers and graphed forwards.
+
+On the CPU the graphed forward runs its body eagerly (the same static buffers, positions and
+mask); on CUDA verify forwards are captured and replayed. Either way greedy fp32 generate must
+give plain generate's tokens, and on CUDA a replayed forward must give the eager body's logits
+bit for bit.
+"""
+
+import pytest
+import torch
+
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf.static_kv import StaticAttentionLayer
+from ssm_spec.hf.tiny import ByteTokenizer
+
+KINDS = ["qwen3_next", "qwen3_5"]
+TOK = ByteTokenizer()
+PROMPT = "the cat sat on the mat. the cat sat on the"
+
+
+def _ids(device, text=PROMPT):
+    return torch.tensor([TOK.encode(text)], device=device)
+
+
+def _greedy(model, ids, n, **kw):
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+
+
+def _kept(model) -> RecoverSSMCache:
+    return model._recoverssm["graph_cache"].cache
+
+
+def _new_tokens(device):
+    return 128 if device.type == "cuda" else 96
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_generate_equals_plain_greedy(device, kind):
+    """Plain, prompt lookup (5 and 2 drafts) and a converted assistant through the graphed
+    forward equal plain greedy generate of the unconverted model, token for token (fp32)."""
+    ref = tiny_model(kind, seed=3).to(device)
+    model = apply_recoverssm(tiny_model(kind, seed=3).to(device), cuda_graphs=True)
+    ids = _ids(device)
+    n = _new_tokens(device)
+    plain = _greedy(ref, ids, n)
+    assert torch.equal(_greedy(model, ids, n), plain)
+    for k in (5, 2):
+        out = _greedy(model, ids, n, prompt_lookup_num_tokens=k)
+        assert torch.equal(out, plain), k
+        assert _kept(model).stats.accepted > 0
+    draft = apply_recoverssm(tiny_model(kind, seed=3).to(device))
+    draft.generation_config.num_assistant_tokens = 4
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    assert torch.equal(_greedy(model, ids, n, assistant_model=draft), plain)
+    graphed = _kept(model).graphed
+    if device.type == "cuda":
+        assert graphed.failed is None, graphed.failed
+        assert graphed.replays > 0 and graphed.graphs
+
+
+def test_model_as_its_own_assistant_keeps_its_graphed_cache(device):
+    """The assistant's own generate calls (the same model) run on plain caches: the target's
+    kept graphed cache is never reset under it."""
+    ref = tiny_model("qwen3_5", seed=4).to(device)
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=4).to(device), cuda_graphs=True)
+    model.generation_config.num_assistant_tokens = 4
+    model.generation_config.assistant_confidence_threshold = 0.0
+    ids = _ids(device)
+    plain = _greedy(ref, ids, 48)
+    assert torch.equal(_greedy(model, ids, 48, assistant_model=model), plain)
+    stats = _kept(model).stats
+    assert stats.accepted == stats.drafted > 0
+
+
+def test_graph_cache_is_kept_and_reset_between_calls(device):
+    """One cache (and its graphs) serves successive calls that fit it; a call that needs more
+    tokens replaces it; a deepcopy of the model starts without it."""
+    import copy
+
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=1).to(device), cuda_graphs=True)
+    ids = _ids(device)
+    first = _greedy(model, ids, 24, prompt_lookup_num_tokens=3)
+    cache = _kept(model)
+    captured = len(cache.graphed.graphs)
+    again = _greedy(model, ids, 24, prompt_lookup_num_tokens=3)
+    assert torch.equal(first, again)
+    assert _kept(model) is cache and len(cache.graphed.graphs) == captured
+    assert cache.get_seq_length() == ids.shape[1] + 24 - 1  # the last token is never fed back
+    longer = _greedy(model, ids, cache.kv_capacity, prompt_lookup_num_tokens=3)
+    assert _kept(model) is not cache and _kept(model).kv_capacity > cache.kv_capacity
+    assert torch.equal(longer[:, : first.shape[1]], first)
+    twin = copy.deepcopy(model)
+    assert twin._recoverssm["graph_cache"].cache is None
+    assert torch.equal(_greedy(twin, ids, 24, prompt_lookup_num_tokens=3), first)
+
+
+def test_padded_batch_uses_the_plain_cache(device):
+    """cuda_graphs covers unpadded rows; a padded batch runs on the growing cache, unchanged."""
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device), cuda_graphs=True)
+    plain_model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device))
+    a, b = TOK.encode("the cat sat"), TOK.encode("a dog ran off to the")
+    pad = TOK.pad_token_id
+    ids = torch.tensor([[pad] * (len(b) - len(a)) + a, b], device=device)
+    mask = (ids != pad).long()
+    kw = dict(attention_mask=mask, pad_token_id=pad)
+    out = _greedy(model, ids, 16, **kw)
+    assert _kept(model) is None
+    assert torch.equal(out, _greedy(plain_model, ids, 16, **kw))
+
+
+def test_static_layer_bookkeeping_and_refusals(device):
+    """Capacity and padding are refused before anything changes; crops only lower lengths."""
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0).to(device))
+    key = model._recoverssm["cache_kwarg"]
+    ids = _ids(device)
+    P = ids.shape[1]
+    cache = RecoverSSMCache(model, max_pending=4, max_cache_len=P + 3)
+    assert any(isinstance(layer, StaticAttentionLayer) for layer in cache.layers)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{key: cache})
+        assert cache.get_seq_length() == P
+        with pytest.raises(ValueError, match="exceed max_cache_len"):
+            model(input_ids=ids[:, :4], use_cache=True, **{key: cache})
+        assert cache.get_seq_length() == P and cache.rollback.seen == P
+        model(input_ids=ids[:, :3], use_cache=True, **{key: cache})
+        cache.crop(-2)
+        assert cache.get_seq_length() == P + 1 and cache.rollback.seen == P + 1
+        fresh = RecoverSSMCache(model, max_cache_len=64)
+        with pytest.raises(ValueError, match="padding"):
+            model(input_ids=ids, attention_mask=torch.zeros_like(ids), use_cache=True, **{key: fresh})
+        assert fresh.get_seq_length() == 0 and fresh.rollback is None
+    with pytest.raises(ValueError, match="max_cache_len"):
+        RecoverSSMCache(model, max_cache_len=0)
+    layer = StaticAttentionLayer(8)
+    layer.length = 5
+    layer.crop(-2)
+    assert layer.length == 3
+    layer.crop(10)
+    assert layer.length == 3
+    with pytest.raises(ValueError):
+        layer.crop(-4)
+
+
+def test_unsupported_attention_implementation_is_refused():
+    model = tiny_model("qwen3_next", seed=0)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attention implementation"):
+        apply_recoverssm(model, cuda_graphs=True)
+
+
+def test_output_hidden_states_runs_eagerly(device):
+    """A forward asking for more than logits runs the graphed body eagerly (never captured)."""
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=5).to(device))
+    key = model._recoverssm["cache_kwarg"]
+    ids = _ids(device)
+    cache = RecoverSSMCache(model, max_pending=3, max_cache_len=128)
+    ref = RecoverSSMCache(model, max_pending=3)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{key: cache})
+        model(input_ids=ids, use_cache=True, **{key: ref})
+        before = cache.graphed.eager_forwards
+        out = model(input_ids=ids[:, -2:], use_cache=True, output_hidden_states=True, **{key: cache})
+        want = model(input_ids=ids[:, -2:], use_cache=True, **{key: ref})
+    assert cache.graphed.eager_forwards == before + 1 and not cache.graphed.graphs
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_equals_eager_body_bitwise(dtype):
+    """The same generate calls with capture on and off give the same logits bit for bit (a
+    replay runs the eager body's kernels on the same inputs)."""
+    device = torch.device("cuda")
+    ids = _ids(device)
+    logits = []
+    for capture in (True, False):
+        model = apply_recoverssm(tiny_model("qwen3_next", seed=6, dtype=dtype).to(device), cuda_graphs=True)
+        _greedy(model, ids, 8, prompt_lookup_num_tokens=4)  # makes the kept cache
+        graphed = _kept(model).graphed
+        graphed.capture = capture
+        before = graphed.replays
+        out = _greedy(model, ids, 64, prompt_lookup_num_tokens=4, output_logits=True, return_dict_in_generate=True)
+        logits.append(torch.cat(out.logits))
+        assert (graphed.replays > before) == capture and graphed.failed is None
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_body_rerun_keeps_the_plan(device):
+    """Capture runs the forward's body twice (a warm-up, then the capture) after one host-side
+    plan: a rerun of the body must neither begin another plan nor change what it computes."""
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=7).to(device))
+    key = model._recoverssm["cache_kwarg"]
+    ids = _ids(device)
+    cache = RecoverSSMCache(model, max_pending=4, max_cache_len=128)
+    graphed = cache.graphed
+    graphed.capture = False
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{key: cache})
+        out = model(input_ids=ids[:, -3:], use_cache=True, **{key: cache})
+        rb = cache.rollback
+        state = (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()])
+        P = ids.shape[1]
+        again = graphed._body(model, ids[:, -3:], graphed._positions(P, 3, ids.device))
+    assert (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()]) == state
+    assert torch.equal(again.logits, out.logits)
