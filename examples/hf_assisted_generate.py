@@ -27,10 +27,12 @@ def main(argv=None) -> int:
     model = apply_recoverssm(load())                                  # convert in place
     lookup = model.generate(ids, max_new_tokens=64, do_sample=False, prompt_lookup_num_tokens=5)
     assisted = model.generate(ids, max_new_tokens=64, do_sample=False, assistant_model=apply_recoverssm(load()))
+    apply_recoverssm(model, cuda_graphs=True)                         # replay forwards as CUDA graphs
+    graphed = model.generate(ids, max_new_tokens=64, do_sample=False, prompt_lookup_num_tokens=5)
 
     print(repr(tok.decode(lookup[0, ids.shape[1]:])))
-    same = torch.equal(lookup, plain) and torch.equal(assisted, plain)
-    print("prompt lookup and assisted tokens equal plain greedy:", same)
+    same = all(torch.equal(out, plain) for out in (lookup, assisted, graphed))
+    print("prompt lookup, assisted and graphed tokens equal plain greedy:", same)
     return 0 if same else 1
 
 

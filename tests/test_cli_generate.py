@@ -61,6 +61,16 @@ def test_draft_self_accepts_every_draft():
     assert proc.stderr == ""  # --quiet: no bars, no notes, no transformers warnings
 
 
+def test_cuda_graphs_path_on_cpu_with_self_draft():
+    """``--cuda-graphs on`` off CUDA runs the graphed forward's body eagerly (static attention
+    buffers, kept cache); with the model as its own draft it still equals plain greedy and
+    accepts every draft (the assistant's calls never touch the target's kept cache)."""
+    proc = _run("--max-new-tokens", 40, "--draft", "self", "--cuda-graphs", "on", "--check", "--warmup", 8,
+                "--quiet", "--device", "cpu")
+    _assert_ok_and_equal(proc)
+    assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
+
+
 def test_missing_model_path_exits_2(tmp_path):
     proc = _run("--model", tmp_path / "nope", "--max-new-tokens", 4)
     assert proc.returncode == 2

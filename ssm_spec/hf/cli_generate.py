@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "top probability drops below P (default 0: always draft K tokens; transformers' "
                              "own default is 0.4)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                        help="replay the model's forwards after the prompt as CUDA graphs "
+                             "(apply_recoverssm(cuda_graphs=True)); auto: on a CUDA device (default)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="model dtype (float32, the default, gives exactly plain greedy's tokens; it also "
                              "keeps TF32 out of cuBLAS, cuDNN and Triton dots unless TRITON_F32_DEFAULT is set)")
@@ -336,7 +339,8 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
 
     ``speculative`` holds the draft arguments (``prompt_lookup_num_tokens`` or
     ``assistant_model``); when given, ``model`` must be converted, and a fresh
-    :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result.
+    :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result
+    (with ``cuda_graphs``, the model's kept graphed cache serves the call and gives them).
     """
     from .apply import cache_kwarg
     from .cache import RecoverSSMCache
@@ -350,7 +354,8 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
                 torch.manual_seed(args.seed)
             model.generate(input_ids, attention_mask=mask, **{**kw, "max_new_tokens": args.warmup})
         extra = {}
-        if speculative is not None:
+        graphed = getattr(model, "_recoverssm", {}).get("cuda_graphs", False)
+        if speculative is not None and not graphed:
             cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
             extra[cache_kwarg(model)] = cache
         streamer = ProgressStreamer(args.max_new_tokens, desc=desc, disable=args.quiet)
@@ -364,7 +369,9 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         finally:
             streamer.bar.close()
         seconds = time.perf_counter() - start
-    stats = extra[cache_kwarg(model)].stats if speculative is not None else None
+    stats = None
+    if speculative is not None:
+        stats = model._recoverssm["graph_cache"].cache.stats if graphed else extra[cache_kwarg(model)].stats
     return RunResult(out[0, input_ids.shape[1]:].cpu(), seconds, stats)
 
 
@@ -440,6 +447,11 @@ def run(args) -> int:
         apply_recoverssm(model)
     except ValueError as exc:
         raise CLIError(f"--model {args.model}: not a Qwen3-Next / Qwen3.5 model: {exc}") from exc
+    graphs = args.cuda_graphs == "on" or (args.cuda_graphs == "auto" and device.type == "cuda")
+    try:
+        apply_recoverssm(model, cuda_graphs=graphs)
+    except ValueError as exc:
+        raise CLIError(f"--cuda-graphs: {exc}") from exc
     draft, draft_desc = load_draft(args, model, device, dtype)
     input_ids = tokenizer.encode(args.prompt, device)
     speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
@@ -460,7 +472,8 @@ def run(args) -> int:
     rows = [
         ("model", model_desc),
         ("draft", draft_desc),
-        ("device / dtype", f"{device} / {args.dtype}, {'sampling' if args.do_sample else 'greedy'}"),
+        ("device / dtype", f"{device} / {args.dtype}, {'sampling' if args.do_sample else 'greedy'}"
+                           + (", CUDA graphs" if graphs and device.type == "cuda" else "")),
         ("new tokens", str(spec.new_tokens.numel())),
         ("seconds", f"{spec.seconds:.3f}"),
         ("tokens/s", f"{spec.tokens_per_s:.1f}"),
