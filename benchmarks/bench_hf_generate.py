@@ -20,7 +20,11 @@ seen) and as the median of ``--repeats`` timed calls:
 3. ``ours``: plain greedy ``generate`` on the same model after ``apply_recoverssm`` (converted
    in place, so this runs after the baselines);
 4. ``ours+lookup``: ``generate(prompt_lookup_num_tokens=k)`` on the converted model, with a
-   ``RecoverSSMCache`` passed in to read its acceptance stats afterwards.
+   ``RecoverSSMCache`` passed in to read its acceptance stats afterwards;
+5. ``graphs`` and 6. ``graphs+lookup``: (3) and (4) with ``apply_recoverssm(model,
+   cuda_graphs=True)``: every forward after the prompt replays a captured CUDA graph
+   (``ssm_spec.hf.graphed``; captured in the warm-up call, kept on the model). ``--no-graphs``
+   skips them.
 
 Every run produces exactly ``--new-tokens`` tokens (``max_new_tokens = min_new_tokens``). It
 reports tokens/s (prompt prefill included), the speedups of ``ours`` and ``ours+lookup`` over
@@ -73,12 +77,14 @@ from _results import Clock, HelpFormatter, device_name, pyplot, write_results
 from ssm_spec.hf.kernels import hf_reference_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RUNS = ("hf", "hf-torch", "ours", "ours+lookup")
+RUNS = ("hf", "hf-torch", "ours", "ours+lookup", "graphs", "graphs+lookup")
 RUN_TITLES = {
     "hf": "(1) plain generate, unconverted model (transformers' GDN path, fla-core where installed)",
     "hf-torch": "(2) plain generate, unconverted model (transformers' PyTorch reference functions)",
     "ours": "(3) plain generate, converted model (RecoverSSMCache)",
     "ours+lookup": "(4) prompt-lookup generate, converted model",
+    "graphs": "(5) plain generate, converted model, forwards replayed as CUDA graphs",
+    "graphs+lookup": "(6) prompt-lookup generate, converted model, forwards replayed as CUDA graphs",
 }
 #: The baselines the speedups are reported over.
 BASELINES = ("hf", "hf-torch")
@@ -379,6 +385,23 @@ def run(args) -> dict:
                   "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
                   "position_rates": stats.position_rates}
 
+    graphs = None
+    if args.graphs:
+        apply_recoverssm(model, cuda_graphs=True)
+        runs["graphs"] = timed_generate(model, prompt, clock, phases, "graphs", **common)
+        print(f"graphs:      {runs['graphs']['tokens_per_s']:8.1f} tok/s", flush=True)
+        runs["graphs+lookup"] = timed_generate(model, prompt, clock, phases, "graphs+lookup",
+                                               make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
+        print(f"graphs+lookup: {runs['graphs+lookup']['tokens_per_s']:6.1f} tok/s", flush=True)
+        gcache = model._recoverssm["graph_cache"].cache
+        gs, gf = gcache.stats, gcache.graphed
+        graphs = {"captured": len(gf.graphs), "replays": gf.replays, "eager_forwards": gf.eager_forwards,
+                  "failed": gf.failed, "kv_capacity": gcache.kv_capacity,
+                  "acceptance": {"rounds": gs.rounds, "drafted": gs.drafted, "accepted": gs.accepted,
+                                 "mean_accepted_length": gs.mean_accepted_length,
+                                 "acceptance_rate": gs.acceptance_rate, "position_rates": gs.position_rates}}
+        apply_recoverssm(model, cuda_graphs=False)
+
     with phases("ours forwards"):
         ours_forwards = time_forwards(
             model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
@@ -388,6 +411,8 @@ def run(args) -> dict:
     agreement = {}
     pairs = [("hf", "hf-torch")] if "hf-torch" in runs else []
     pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
+    if graphs is not None:
+        pairs += [("hf", "graphs"), ("hf", "graphs+lookup"), ("ours", "graphs"), ("ours+lookup", "graphs+lookup")]
     with phases("agreement"):
         for a, b in pairs:
             sa, sb = runs[a]["tokens"], runs[b]["tokens"]
@@ -417,7 +442,7 @@ def run(args) -> dict:
                    "params": n_params, "seed": args.seed, "prompt_len": P, "prompt_repeats": args.prompt_repeats,
                    "new_tokens": N, "num_draft_tokens": k, "repeats": args.repeats,
                    "warmup_tokens": args.warmup_tokens, "forward_reps": args.forward_reps, "quick": args.quick,
-                   "batch": 1, "greedy": True, "hf_torch": args.hf_torch},
+                   "batch": 1, "greedy": True, "hf_torch": args.hf_torch, "graphs": args.graphs},
         "hf_kernels": kernels,
         "hf_torch_kernels": hf_torch["kernels"],
         "hf_torch_patched": hf_torch["patched"],
@@ -431,6 +456,11 @@ def run(args) -> dict:
         "speedup_ours_over_hf_torch": ratio(tps, "ours", "hf-torch"),
         "speedup_hf_over_hf_torch": ratio(tps, "hf", "hf-torch"),
         "acceptance": acceptance,
+        "graphs": graphs,
+        "speedup_graphs_lookup_over_hf": ratio(tps, "graphs+lookup", "hf"),
+        "speedup_graphs_over_hf": ratio(tps, "graphs", "hf"),
+        "speedup_graphs_lookup_over_graphs": ratio(tps, "graphs+lookup", "graphs"),
+        "speedup_graphs_lookup_over_hf_torch": ratio(tps, "graphs+lookup", "hf-torch"),
         "agreement": agreement,
         "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
         "plain_logit_gaps": gen_gaps,
@@ -463,13 +493,13 @@ def print_table(res: dict) -> None:
           f"median of {c['repeats']}")
     print_kernels(res)
     tps = res["tokens_per_s"]
-    head = (f"{'run':<12} | {'tok/s':>8} {'time s':>8} | " + " ".join(f"{'vs ' + b:>11}" for b in BASELINES)
+    head = (f"{'run':<13} | {'tok/s':>8} {'time s':>8} | " + " ".join(f"{'vs ' + b:>11}" for b in BASELINES)
             + f" | {'same as hf':>11}")
     print(head)
     print("-" * len(head))
     for name in RUNS:
         if name not in res["runs"]:
-            print(f"{name:<12} | skipped (--no-hf-torch)")
+            print(f"{name:<13} | skipped ({'--no-graphs' if 'graphs' in name else '--no-hf-torch'})")
             continue
         r = res["runs"][name]
         if name == "hf":
@@ -478,11 +508,17 @@ def print_table(res: dict) -> None:
             a = res["agreement"][f"hf vs {name}"]
             same = "yes" if a["equal"] else f"no @ {a['first_diff']}"
         vs = " ".join(f"{tps[name] / tps[b]:10.2f}x" if b in tps else f"{'-':>11}" for b in BASELINES)
-        print(f"{name:<12} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} | {vs} | {same:>11}")
+        print(f"{name:<13} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} | {vs} | {same:>11}")
     acc = res["acceptance"]
     print(f"lookup: {acc['rounds']} rounds, mean accepted length {acc['mean_accepted_length']:.2f}, "
           f"acceptance rate {acc['acceptance_rate']:.2f}, per position "
           + " ".join(f"{x:.2f}" for x in acc["position_rates"]))
+    g = res.get("graphs")
+    if g:
+        ga = g["acceptance"]
+        print(f"graphs: {g['captured']} graphs captured, {g['replays']} replays, {g['eager_forwards']} eager forwards"
+              f"{', capture failed: ' + g['failed'] if g['failed'] else ''}; graphs+lookup: {ga['rounds']} rounds, "
+              f"mean accepted length {ga['mean_accepted_length']:.2f}")
     for pair, a in res["agreement"].items():
         if not a["equal"]:
             print(f"  {pair}: first difference at new token {a['first_diff']} "
@@ -509,6 +545,10 @@ def print_table(res: dict) -> None:
                       f"ours {res['speedup_ours_over_hf_torch']:.2f}x, hf {res['speedup_hf_over_hf_torch']:.2f}x")
     print(f"speedup over hf: ours+lookup {res['speedup_lookup_over_hf']:.2f}x, ours {res['speedup_ours_over_hf']:.2f}x"
           f"{torch_part}; ours+lookup over ours {res['speedup_lookup_over_ours']:.2f}x")
+    if res.get("speedup_graphs_lookup_over_hf") is not None:
+        print(f"speedup over hf: graphs+lookup {res['speedup_graphs_lookup_over_hf']:.2f}x, graphs "
+              f"{res['speedup_graphs_over_hf']:.2f}x; graphs+lookup over graphs "
+              f"{res['speedup_graphs_lookup_over_graphs']:.2f}x")
 
 
 def print_kernels(res: dict) -> None:
@@ -531,8 +571,10 @@ def save_plot(res: dict, path: Path) -> bool:
     tps = res["tokens_per_s"]
     names = [n for n in RUNS if n in tps]
     labels = {"hf": "hf generate", "hf-torch": "hf generate\n(torch reference)", "ours": "ours generate",
-              "ours+lookup": f"ours + lookup k={k}"}
-    colors = {"hf": "tab:gray", "hf-torch": "silver", "ours": "tab:blue", "ours+lookup": "tab:green"}
+              "ours+lookup": f"ours + lookup k={k}", "graphs": "ours generate\n(CUDA graphs)",
+              "graphs+lookup": f"ours + lookup k={k}\n(CUDA graphs)"}
+    colors = {"hf": "tab:gray", "hf-torch": "silver", "ours": "tab:blue", "ours+lookup": "tab:green",
+              "graphs": "tab:purple", "graphs+lookup": "tab:olive"}
     vals = [tps[n] for n in names]
     bars = ax_g.bar([labels[n] for n in names], vals, color=[colors[n] for n in names])
     for bar, v in zip(bars, vals):
@@ -604,6 +646,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-hf-torch", dest="hf_torch", action="store_false",
                    help="skip the hf-torch baseline (the unconverted model on transformers' PyTorch reference "
                         "functions instead of fla-core's kernels)")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="skip the runs with apply_recoverssm(model, cuda_graphs=True)")
     p.add_argument("--hf-verify-forward", action="store_true",
                    help="also time a W = k + 1 forward of the unconverted model (state advancing; compiles "
                         "fla's chunked kernels for a cached short window: ~15 s more on a fresh H200)")

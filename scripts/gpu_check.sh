@@ -57,7 +57,7 @@ for part in $PARTS; do
       summary+=("bench fp32: see table above ($OUT/bench_fp32.log)")
       ;;
     bench-hf)
-      python3 benchmarks/bench_hf_generate.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_hf.log"
+      python3 benchmarks/bench_hf_generate.py --out-dir "$OUT" ${BENCH_HF_ARGS:-} 2>&1 | tee "$OUT/bench_hf.log"
       summary+=("bench hf: $OUT/bench_hf.log")
       ;;
     bench-step)  # captured step: RecoverSSM vs snapshot vs folded, B 1..256, k 1 3 5
