@@ -81,6 +81,10 @@ def test_graph_cache_is_kept_and_reset_between_calls(device):
     ids = _ids(device)
     first = _greedy(model, ids, 24, prompt_lookup_num_tokens=3)
     cache = _kept(model)
+    graphed = cache.graphed
+    # every forward but the prompt's is capturable with the arguments this transformers version
+    # passes (counted on the CPU too, where the body then runs eagerly)
+    assert graphed.capturable_forwards == graphed.replays + graphed.eager_forwards - 1 > 0
     captured = len(cache.graphed.graphs)
     again = _greedy(model, ids, 24, prompt_lookup_num_tokens=3)
     assert torch.equal(first, again)
@@ -201,6 +205,106 @@ def test_body_rerun_keeps_the_plan(device):
         rb = cache.rollback
         state = (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()])
         P = ids.shape[1]
-        again = graphed._body(model, ids[:, -3:], graphed._positions(P, 3, ids.device))
+        again = graphed._body(model, ids[:, -3:], None, graphed._positions(P, 3, ids.device))
     assert (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()]) == state
     assert torch.equal(again.logits, out.logits)
+
+
+def _graphed_and_ref(kind="qwen3_next", seed=8, device="cpu", **kw):
+    ref = tiny_model(kind, seed=seed, **kw).to(device)
+    return apply_recoverssm(tiny_model(kind, seed=seed, **kw).to(device), cuda_graphs=True), ref
+
+
+def test_generate_without_cache_and_with_expanded_batches(device):
+    """use_cache=False re-feeds the whole sequence (no cache is made: the converted model's
+    generate used to pass one anyway, and the state ran on); beam search and
+    num_return_sequences expand the batch inside generate after a batch-1 call kept a cache."""
+    model, ref = _graphed_and_ref(device=device)
+    ids = _ids(device, "the cat sat")
+    want = _greedy(ref, ids, 6, use_cache=False)
+    assert torch.equal(_greedy(model, ids, 6, use_cache=False), want)
+    plain_model = apply_recoverssm(tiny_model("qwen3_next", seed=8).to(device))  # no cache made either
+    assert torch.equal(_greedy(plain_model, ids, 6, use_cache=False), want)
+    assert torch.equal(_greedy(model, ids, 12), _greedy(ref, ids, 12))
+    beams = dict(num_beams=2, early_stopping=True)
+    assert torch.equal(_greedy(model, ids, 12, **beams), _greedy(ref, ids, 12, **beams))
+    torch.manual_seed(0)
+    want = ref.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=2)
+    torch.manual_seed(0)
+    got = model.generate(ids, max_new_tokens=8, do_sample=True, num_return_sequences=2)
+    assert torch.equal(got, want)
+    assert torch.equal(_greedy(model, ids, 12, prompt_lookup_num_tokens=3), _greedy(ref, ids, 12))
+
+
+def test_kept_cache_follows_inference_mode_dtype_and_parameters(device):
+    """A call under inference_mode, a dtype change and new parameter tensors each get a new
+    kept cache (its buffers and graphs belong to what it was made for)."""
+    model, ref = _graphed_and_ref(device=device)
+    ids = _ids(device)
+    with torch.inference_mode():
+        _greedy(model, ids, 8)
+    assert torch.equal(_greedy(model, ids, 8), _greedy(ref, ids, 8))
+    first = _kept(model)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    _greedy(model, ids, 8)
+    assert _kept(model) is not first
+    model.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    assert torch.equal(_greedy(model, ids, 8), _greedy(ref, ids, 8))
+
+
+def test_prompt_forward_keeps_only_the_logits_asked_for(device):
+    """The prompt's eager forward passes logits_to_keep to the model (no [P, vocab] logits)."""
+    model, _ = _graphed_and_ref(device=device)
+    rows = []
+    model.lm_head.register_forward_hook(lambda mod, inp, out: rows.append(out.shape[1]))
+    ids = _ids(device)
+    _greedy(model, ids, 4)
+    assert rows[0] == 1 and max(rows) == 1
+
+
+def test_forward_arguments_are_honoured(device):
+    """Direct forwards with a graphed cache: hidden states, loss and tuples come back; explicit
+    position_ids and a tensor logits_to_keep act as on the plain cache; use_cache=False leaves
+    the cache alone; the base model refuses a graphed cache before anything changes."""
+    model, _ = _graphed_and_ref(device=device)
+    key = model._recoverssm["cache_kwarg"]
+    ids = _ids(device)
+    P = ids.shape[1]
+    cache = RecoverSSMCache(model, max_pending=4, max_cache_len=128)
+    ref = RecoverSSMCache(model, max_pending=4)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True, **{key: cache})
+        model(input_ids=ids, use_cache=True, **{key: ref})
+        tail = ids[:, -3:]
+        pos = torch.arange(P + 5, P + 8, device=device)[None]
+        keep = torch.tensor([0, 2], device=device)
+        got = model(input_ids=tail, position_ids=pos, logits_to_keep=keep, use_cache=True, **{key: cache})
+        want = model(input_ids=tail, position_ids=pos, logits_to_keep=keep, use_cache=True, **{key: ref})
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        assert got.logits.shape[1] == 2
+        cache.crop(-3)
+        ref.crop(-3)
+        out = model(input_ids=tail, labels=tail, output_hidden_states=True, use_cache=True, **{key: cache})
+        assert out.loss is not None and out.hidden_states is not None
+        cache.crop(-3)
+        tup = model(input_ids=tail, use_cache=True, return_dict=False, **{key: cache})
+        assert isinstance(tup, tuple) and torch.is_tensor(tup[0])
+        cache.crop(-3)
+        seen = cache.get_seq_length()
+        model(input_ids=tail, use_cache=False, **{key: cache})
+        assert cache.get_seq_length() == seen == cache.rollback.seen
+        with pytest.raises(ValueError, match="base model"):
+            model.model(input_ids=tail, use_cache=True, **{key: cache})
+        assert cache.get_seq_length() == seen == cache.rollback.seen
+
+
+def test_padded_prompt_without_mask_uses_the_plain_cache(device):
+    """generate infers a padding mask from pad_token_id: such prompts are not graphed."""
+    model, ref = _graphed_and_ref(device=device)
+    pad = TOK.pad_token_id
+    a, b = TOK.encode("the cat sat"), TOK.encode("a dog ran off to the")
+    ids = torch.tensor([[pad] * (len(b) - len(a)) + a, b], device=device)
+    out = _greedy(model, ids, 8, pad_token_id=pad)
+    assert _kept(model) is None
+    assert torch.equal(out, _greedy(ref, ids, 8, pad_token_id=pad))

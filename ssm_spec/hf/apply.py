@@ -74,21 +74,25 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     for the draft length of the call, so ``generate(prompt_lookup_num_tokens=k)``,
     ``generate(assistant_model=draft)`` and a converted model as an assistant work, and with
     greedy fp32 decoding give exactly plain ``generate``'s tokens. Attention layers keep
-    transformers' KV cache. Calling it again only updates ``state_dtype`` (when given).
+    transformers' KV cache. Calling it again only updates ``state_dtype`` and ``cuda_graphs``
+    (when given).
 
     Args:
         model: a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` (or any module tree holding
             their GatedDeltaNet layers as ``linear_attn``), on any device and dtype.
         state_dtype: recurrent state dtype of the caches it creates: ``torch.float32`` (the
             default) or ``torch.bfloat16``.
-        cuda_graphs: ``True``: ``generate`` at batch 1 (unpadded rows) uses a cache with
-            static attention buffers (``RecoverSSMCache(max_cache_len=...)``, sized for the
-            call) and replays every forward after the prompt from a CUDA graph captured on its
-            first use (:mod:`ssm_spec.hf.graphed`; off CUDA the same forward runs eagerly). The
-            cache and its graphs are kept on the model and reused by the next ``generate``
-            call that fits them (a cache returned by an earlier call is reset then). Other
-            calls (padded batches, a cache passed in) use the plain cache. ``None`` keeps the
-            current setting (initially off).
+        cuda_graphs: ``True``: ``generate`` on unpadded rows uses a cache with static
+            attention buffers (``RecoverSSMCache(max_cache_len=...)``, sized for the call) and
+            replays every forward after the prompt from a CUDA graph captured on its first use
+            (:mod:`ssm_spec.hf.graphed`; off CUDA the same forward runs eagerly). The cache
+            and its graphs are kept on the model and reused by the next ``generate`` call that
+            fits them (same batch size, dtype, device, parameters and inference mode, enough
+            tokens; a cache returned by an earlier call is reset then). Padded batches,
+            ``use_cache=False`` and an assistant's own calls (the model drafting for another,
+            or for itself) get the plain cache; a cache passed in is used as it is (one made
+            with ``max_cache_len`` runs graphed). ``False`` also drops the kept cache.
+            ``None`` keeps the current setting (initially off).
 
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
@@ -110,6 +114,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             model._recoverssm["state_dtype"] = state_dtype
         if cuda_graphs is not None:
             model._recoverssm["cuda_graphs"] = bool(cuda_graphs)
+            if not cuda_graphs:
+                model._recoverssm.setdefault("graph_cache", _KeptCache()).cache = None
         return model
     found = 0
     for parent in list(model.modules()):
@@ -142,6 +148,8 @@ def _generate(self, *args, **kwargs):
     R = max(1, draft_length(gen_config, named) + 1)
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
+    if cache is None and not _uses_cache(gen_config, named):
+        return original(self, *args, **kwargs)  # every step re-feeds the sequence: no state to keep
     if cache is None:
         graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
         cache = _graph_cache(self, named, gen_config, R) if graphs else None
@@ -161,6 +169,11 @@ def _generate(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+def _uses_cache(generation_config, named) -> bool:
+    flag = named.get("use_cache")
+    return bool(getattr(generation_config, "use_cache", True) if flag is None else flag)
+
+
 def _is_assistant_call(generation_config, named) -> bool:
     """Whether this ``generate`` drafts for another model's (transformers marks the assistant's
     generation config ``is_assistant``); the model may be that other model itself, whose kept
@@ -175,6 +188,7 @@ class _KeptCache:
 
     def __init__(self):
         self.cache = None
+        self.made_for = None
 
     def __deepcopy__(self, memo):
         return _KeptCache()
@@ -184,9 +198,9 @@ GRAPH_CACHE_ROUND = 256  # a graphed cache's max_cache_len is rounded up to this
 
 
 def _graph_cache(model, named, gen_config, R):
-    """The cache of a ``cuda_graphs`` generate call: the model's kept one when it fits (same
-    batch size and state dtype, enough tokens and pending depth), else a new one kept in its
-    place; ``None`` (the plain cache) for padded or embedding inputs."""
+    """The cache of a ``cuda_graphs`` generate call: the model's kept one when it fits (batch
+    size, state and model dtype, device, parameters, inference mode, enough tokens), else a
+    new one kept in its place; ``None`` (the plain cache) for padded or embedding inputs."""
     prompt = named.get("inputs")
     if prompt is None:
         prompt = named.get("input_ids")
@@ -195,22 +209,29 @@ def _graph_cache(model, named, gen_config, R):
     mask = named.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         return None
+    pad = named.get("pad_token_id", getattr(gen_config, "pad_token_id", None))
+    if mask is None and pad is not None and bool((prompt == pad).any()):
+        return None  # generate infers a padding mask from pad_token_id
     B, P = prompt.shape
     new = named.get("max_new_tokens") or getattr(gen_config, "max_new_tokens", None)
     total = P + int(new) if new is not None else int(named.get("max_length") or gen_config.max_length or P)
     need = total + R + 1
     state_dtype = model._recoverssm["state_dtype"]
+    weight = model.get_input_embeddings().weight
+    # graphs hold parameter addresses and the buffers' dtype, device and inference-ness
+    made_for = (state_dtype, weight.dtype, weight.device, torch.is_inference_mode_enabled(),
+                tuple(p.data_ptr() for p in model.parameters()))
     kept = model._recoverssm.setdefault("graph_cache", _KeptCache())
     cache = kept.cache
-    rb = cache.rollback if cache is not None else None
-    if (cache is not None and cache.kv_capacity >= need and cache.state_dtype == state_dtype
-            and (rb is None or rb.batch_size == B)):
+    if cache is not None and cache.kv_capacity >= need and kept.made_for == made_for:
         cache.reset()
-        cache.max_pending = max(cache.max_pending, R)
+        cache.max_pending = R  # not the deepest of earlier calls: prompts prefill as usual
+        if cache.rollback is not None:
+            cache.rollback.max_pending = R
         return cache
     length = -(-need // GRAPH_CACHE_ROUND) * GRAPH_CACHE_ROUND
-    cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length)
-    kept.cache = cache
+    kept.cache = cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length)
+    kept.made_for = made_for
     return cache
 
 
@@ -220,6 +241,12 @@ def _forward(self, *args, **kwargs):
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values"))
     if isinstance(cache, RecoverSSMCache) and cache.graphed is not None:
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.config, "use_cache", True)
+        if not use_cache:  # a forward that must not touch the cache: without it, as transformers runs it
+            kwargs = {k: v for k, v in kwargs.items() if k not in (key, "past_key_values")}
+            return type(self).forward(self, *args, **kwargs)
         if args:
             kwargs = {**inspect.signature(type(self).forward).bind_partial(self, *args).arguments, **kwargs}
             kwargs.pop("self", None)

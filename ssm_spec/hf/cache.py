@@ -166,6 +166,7 @@ class RecoverSSMCache(DynamicCache):
                 if i not in linear:
                     self.layers[i] = StaticAttentionLayer(self.kv_capacity)
         self.graphed = GraphedForward(self) if self.kv_capacity is not None else None
+        self._in_graphed_body = False  # set by GraphedForward while the model runs
         self.max_pending = int(max_pending)
         self.state_dtype = state_dtype
         self.rollback: RollbackPool | None = None
@@ -181,6 +182,9 @@ class RecoverSSMCache(DynamicCache):
         """Run a converted layer over ``hidden [B, L, D]`` (a new forward begins at the first
         converted layer, or when a layer index repeats)."""
         B, L = hidden.shape[:2]
+        if self.graphed is not None and not self._in_graphed_body:
+            raise ValueError("RecoverSSMCache: a cache with max_cache_len serves the converted model's own forward "
+                             "(its graphed path); do not pass it to the base model or a decoder layer directly")
         if self._last_layer is None or adapter.layer_idx <= self._last_layer:
             self._begin_forward(B, L, hidden.dtype, hidden.device)
         self._last_layer = adapter.layer_idx

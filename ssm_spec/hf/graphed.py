@@ -57,10 +57,9 @@ _NEUTRAL = {"output_attentions": (None, False), "output_hidden_states": (None, F
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    plan: object  # the RollbackPool plan the graph's metadata tensors belong to
-    pool: object  # the StatePool whose buffers it reads and writes
     input_ids: torch.Tensor  # [B, L] int64, static
-    position_ids: torch.Tensor  # [1, L] int64, static
+    position_ids: torch.Tensor  # the rotary positions as passed (or [1, L]), static
+    kv_positions: torch.Tensor  # [L] int64: cache rows written, static
     logits: torch.Tensor  # [B, L, vocab], static output
 
 
@@ -74,10 +73,13 @@ class GraphedForward:
     Attributes:
         capture: capture and replay CUDA graphs (default ``True``; ``False`` runs every
             forward eagerly on the same static buffers, for comparisons).
-        graphs: ``{(batch, tokens, id(plan)): _Graph}`` captured so far.
+        graphs: ``{(batch, tokens, id(plan), position_ids shape): _Graph}`` captured on the
+            current rollback pool (cleared when the pool or the batch size changes).
         failed: why capture was abandoned for this cache (``None`` while it works), with the
             innermost frames of the failing call.
         replays / eager_forwards: forwards served each way (for reports and tests).
+        capturable_forwards: forwards whose shape and arguments allow capture, on any device
+            (on CUDA these are the replays, unless capture failed or is off).
     """
 
     def __init__(self, cache):
@@ -88,28 +90,44 @@ class GraphedForward:
         self.failed: str | None = None
         self.replays = 0
         self.eager_forwards = 0
-        self._kv_arange: torch.Tensor | None = None
+        self.capturable_forwards = 0
         self._arange: torch.Tensor | None = None
         self._output_type = None
         self._output_cache_field = None
+        self._owner = None  # (rollback, its StatePool) the graphs were captured on
+
+    def __deepcopy__(self, memo):
+        """A copy (of a copied cache) starts without graphs: they point at the original's buffers."""
+        from copy import deepcopy
+
+        new = GraphedForward(deepcopy(self.cache, memo))
+        new.capture, new.failed = self.capture, self.failed
+        return new
 
     # ------------------------------------------------------------------ public
     @torch.no_grad()
     def __call__(self, model, kwargs: dict):
         """One forward of ``model`` (keyword arguments as transformers' ``forward`` takes them).
 
-        ``input_ids [B, L]`` int64 is required; positions are the cache's length onward (what
-        ``generate`` passes at batch 1); an ``attention_mask`` must mark no padding (checked on
-        the first forward, where it is all the mask there is; later forwards only append).
+        ``input_ids [B, L]`` int64 is required. Keys and values go to cache rows
+        ``seen .. seen + L - 1`` and each token attends to the rows up to its own (as
+        transformers' growing cache does); ``position_ids`` (as passed, else those rows) feed
+        the rotary embedding. An ``attention_mask`` must mark no padding (checked on the first
+        forward, where it is all the mask there is; later forwards only append). Forwards that
+        ask for more than logits (``output_hidden_states``, ``labels``, ...) run eagerly and
+        return everything the model returns.
 
         Returns:
-            the model's output class with ``logits [B, L', vocab]`` (``L'`` as
-            ``logits_to_keep`` asks) and the cache; the logits are a fresh tensor.
+            the model's output (``return_dict=False``: its tuple) with ``logits [B, L', vocab]``
+            (``L'`` as ``logits_to_keep`` asks) and the cache; replayed logits are a fresh
+            tensor.
 
         Raises:
             ValueError: ``inputs_embeds`` instead of ``input_ids``; padding in the attention
                 mask; more tokens than the cache's ``max_cache_len``; an attention
-                implementation other than sdpa / eager; another batch size than the cache's.
+                implementation other than sdpa / eager; a batch size other than the cache's
+                mid-sequence; ``position_ids`` whose last dim is not ``L``. Raised before
+                anything changes.
         """
         cache = self.cache
         input_ids = kwargs.get("input_ids")
@@ -130,94 +148,120 @@ class GraphedForward:
                 raise ValueError("GraphedForward: expected a 2-D attention mask over the cached and new tokens")
             if seen == 0 and not bool(mask.all()):
                 raise ValueError("GraphedForward: padding in the attention mask is not supported with cuda_graphs "
-                                 "(use batch 1 or unpadded rows, or convert without cuda_graphs)")
+                                 "(pass unpadded rows, or convert without cuda_graphs)")
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and position_ids.shape[-1] != L:
+            raise ValueError(f"GraphedForward: position_ids {tuple(position_ids.shape)} for {L} tokens")
+        rb = cache.rollback
+        if rb is not None and rb.batch_size != B and rb.seen:
+            raise ValueError(f"GraphedForward: batch size changed from {rb.batch_size} to {B} mid-sequence")
+        self._fit_batch(B)
         extra = {k: v for k, v in kwargs.items() if k not in _HANDLED}
         plain = all(k in _NEUTRAL and v in _NEUTRAL[k] for k, v in extra.items())
-        dtype = model.get_input_embeddings().weight.dtype
-        cache._begin_forward(B, L, dtype, input_ids.device)
-        plan = cache.rollback.plan
-        capture = (self.capture and plain and input_ids.is_cuda and plan.prefill is None
-                   and L <= MAX_CAPTURE_TOKENS and self.failed is None)
-        logits = None
-        if capture:
-            logits = self._replay(model, input_ids, seen, plan)
-        if logits is None:
-            logits = self._eager(model, input_ids, seen, extra)
-        for layer in self._static_layers():
-            layer.length = seen + L
-        keep = kwargs.get("logits_to_keep") or 0
-        if isinstance(keep, int) and keep > 0:
-            logits = logits[:, -keep:]
-        elif isinstance(keep, torch.Tensor):
-            logits = logits[:, keep]
-        return self._output_type(logits=logits, **{self._output_cache_field: cache})
+        keep = kwargs.get("logits_to_keep")
+        keep = 0 if keep is None else keep
+        cache._begin_forward(B, L, model.get_input_embeddings().weight.dtype, input_ids.device)
+        rb = cache.rollback
+        if self._owner is None or self._owner[0] is not rb or self._owner[1] is not rb.pool:
+            self.graphs.clear()  # captured on buffers that are gone
+            self._owner = (rb, rb.pool)
+        plan = rb.plan
+        kv_positions = self._positions(seen, L, input_ids.device)
+        capturable = plain and plan.prefill is None and L <= MAX_CAPTURE_TOKENS
+        self.capturable_forwards += capturable
+        out = None
+        try:
+            if capturable and self.capture and input_ids.is_cuda and self.failed is None:
+                logits = self._replay(model, input_ids, position_ids, kv_positions, plan)
+                if logits is not None:
+                    logits = logits[:, -keep:] if isinstance(keep, int) and keep > 0 else (
+                        logits if isinstance(keep, int) else logits[:, keep])
+                    out = self._output_type(logits=logits, **{self._output_cache_field: cache})
+            if out is None:
+                self.eager_forwards += 1
+                out = self._body(model, input_ids, position_ids, kv_positions, extra, keep)
+        finally:  # the plan is begun: the attention layers hold these tokens too, as the GDN ones do
+            for layer in self._static_layers():
+                layer.length = seen + L
+        return out.to_tuple() if kwargs.get("return_dict") is False else out
 
     # ------------------------------------------------------------------ the forward body
     def _static_layers(self):
         return [layer for layer in self.cache.layers if isinstance(layer, StaticAttentionLayer)]
 
-    def _mask(self, model, position_ids: torch.Tensor) -> torch.Tensor:
-        """``[1, 1, L, max_cache_len]``: query ``i`` sees cache rows ``0 .. position_ids[0, i]``
+    def _fit_batch(self, B: int) -> None:
+        """At the start of a sequence, re-size static buffers held for another batch size (beam
+        search and ``num_return_sequences`` expand the batch inside ``generate``)."""
+        for layer in self._static_layers():
+            if layer.is_initialized and layer.keys.shape[0] != B:
+                layer.is_initialized = False  # allocated again by the next update
+                self.graphs.clear()
+
+    def _mask(self, model, kv_positions: torch.Tensor) -> torch.Tensor:
+        """``[1, 1, L, max_cache_len]``: query ``i`` sees cache rows ``0 .. kv_positions[i]``
         (bool for sdpa, additive for the eager implementation)."""
-        allowed = self._kv_arange[None, None, None, :] <= position_ids[:, None, :, None]
+        allowed = self._arange[None, None, None, :] <= kv_positions[None, None, :, None]
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             return allowed
         dtype = model.get_input_embeddings().weight.dtype
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
         return zero.masked_fill(~allowed, torch.finfo(dtype).min)
 
-    def _body(self, model, input_ids, position_ids, extra=None):
-        """The model on explicit positions and mask; returns its output (logits for every token)."""
+    def _body(self, model, input_ids, position_ids, kv_positions, extra=None, logits_to_keep=0):
+        """The model on explicit positions and mask (``position_ids=None``: the cache rows)."""
         cache = self.cache
         cache._last_layer = -1  # the plan is begun (by __call__): the converted layers must not begin another
+        cache._in_graphed_body = True
         for layer in self._static_layers():
-            layer.write_index = position_ids[0]
-        mask = {"full_attention": self._mask(model, position_ids), "linear_attention": None}
-        key = model._recoverssm["cache_kwarg"]
-        out = type(model).forward(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                  use_cache=True, logits_to_keep=0, return_dict=True, **{key: cache},
-                                  **(extra or {}))
+            layer.write_index = kv_positions
+        try:
+            mask = {"full_attention": self._mask(model, kv_positions), "linear_attention": None}
+            key = model._recoverssm["cache_kwarg"]
+            pos = kv_positions[None] if position_ids is None else position_ids
+            out = type(model).forward(model, input_ids=input_ids, position_ids=pos, attention_mask=mask,
+                                      use_cache=True, logits_to_keep=logits_to_keep, return_dict=True,
+                                      **{key: cache}, **(extra or {}))
+        finally:
+            cache._in_graphed_body = False
+            for layer in self._static_layers():
+                layer.write_index = None  # a call that bypasses this forward finds no stale positions
         if self._output_type is None:
             self._output_type = type(out)
             self._output_cache_field = next(k for k, v in out.items() if v is cache)
         return out
 
     def _positions(self, seen: int, L: int, device) -> torch.Tensor:
+        """Cache rows ``seen .. seen + L - 1`` (``[L]`` int64, a view of a device arange)."""
         if self._arange is None or self._arange.device != device:
             self._arange = torch.arange(self.cache.kv_capacity, device=device)
-            self._kv_arange = self._arange
-        return self._arange[seen:seen + L][None]
-
-    def _eager(self, model, input_ids, seen, extra):
-        self.eager_forwards += 1
-        pos = self._positions(seen, input_ids.shape[1], input_ids.device)
-        return self._body(model, input_ids, pos, extra).logits
+        return self._arange[seen:seen + L]
 
     # ------------------------------------------------------------------ capture and replay
-    def _replay(self, model, input_ids, seen, plan):
+    def _replay(self, model, input_ids, position_ids, kv_positions, plan):
         B, L = input_ids.shape
-        rb = self.cache.rollback
-        entry = self.graphs.get((B, L, id(plan)))
-        if entry is not None and (entry.plan is not plan or entry.pool is not rb.pool):
-            entry = None  # the rollback pool was rebuilt: the graph's tensors are gone
-        positions = self._positions(seen, L, input_ids.device)
+        shape = None if position_ids is None else tuple(position_ids.shape)
+        key = (B, L, id(plan), shape)  # plans live as long as their rollback pool, which owns the graphs
+        entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(model, input_ids, positions, plan)
+            entry = self._capture(model, input_ids, position_ids, kv_positions)
             if entry is None:
                 return None
-            self.graphs[(B, L, id(plan))] = entry
+            self.graphs[key] = entry
         else:
             entry.input_ids.copy_(input_ids)
-            entry.position_ids.copy_(positions)
+            entry.kv_positions.copy_(kv_positions)
+            if position_ids is not None:
+                entry.position_ids.copy_(position_ids)
         entry.graph.replay()
         self.replays += 1
         return entry.logits.clone()
 
-    def _capture(self, model, input_ids, positions, plan):
+    def _capture(self, model, input_ids, position_ids, kv_positions):
         """Warm up (host syncs raise), capture and return the graph of this forward, or ``None``
         after a warning when the model cannot be captured (``failed`` says why)."""
         static_ids = input_ids.clone()
-        static_pos = positions.clone()
+        static_kv = kv_positions.clone()
+        static_pos = None if position_ids is None else position_ids.clone()
         device = input_ids.device
         mode = torch.cuda.get_sync_debug_mode()
         stream = torch.cuda.Stream(device=device)
@@ -226,7 +270,7 @@ class GraphedForward:
             with torch.cuda.stream(stream):
                 _sync_debug("error")
                 try:
-                    self._body(model, static_ids, static_pos)  # a real forward: writes what replay will
+                    self._body(model, static_ids, static_pos, static_kv)  # a real forward: writes what replay will
                 finally:
                     _sync_debug(mode)
             torch.cuda.current_stream(device).wait_stream(stream)
@@ -234,7 +278,7 @@ class GraphedForward:
                 self.mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.mempool):
-                out = self._body(model, static_ids, static_pos)
+                out = self._body(model, static_ids, static_pos, static_kv)
         except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
             torch.cuda.synchronize(device)
             frames = traceback.extract_tb(exc.__traceback__)[-4:]
@@ -244,8 +288,7 @@ class GraphedForward:
                           f"synchronises with the host or runs what CUDA graphs cannot hold); running eagerly. "
                           f"{self.failed}", RuntimeWarning, stacklevel=4)
             return None
-        rb = self.cache.rollback
-        return _Graph(graph, plan, rb.pool, static_ids, static_pos, out.logits)
+        return _Graph(graph, static_ids, static_pos, static_kv, out.logits)
 
 
 def _sync_debug(mode) -> None:
