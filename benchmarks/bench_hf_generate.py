@@ -582,7 +582,7 @@ def save_plot(res: dict, path: Path) -> bool:
         ax_g.annotate(f"{v:.0f}\n{vs}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
     ax_g.set(ylabel="tokens / s", title=f"generate, {c['new_tokens']} new tokens, batch 1")
     ax_g.margins(y=0.2)
-    ax_g.tick_params(axis="x", labelsize=8)
+    ax_g.tick_params(axis="x", labelsize=7, labelrotation=30)
 
     fw = res["forwards"]
     widths = ["1", str(k + 1)]

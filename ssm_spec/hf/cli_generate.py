@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --do-sample)")
     parser.add_argument("--warmup", type=int, default=16, metavar="N",
                         help="new tokens of an untimed warm-up call before each timed run (kernel compiles, "
-                             "allocator); 0 skips it (16)")
+                             "allocator; with CUDA graphs the warm-up sizes its kept cache for the timed run, so "
+                             "the graphs it captures are replayed there); 0 skips it (16)")
     parser.add_argument("--check", action="store_true",
                         help="also run plain greedy generate on an unconverted copy of the model and report "
                              "whether the tokens are equal (exit status 1 if not); needs greedy decoding")
@@ -333,6 +334,18 @@ def _gen_kwargs(args, model) -> dict:
     return kw
 
 
+class _StopAt:
+    """A ``generate`` stopping criterion: stop once the sequences hold ``length`` tokens (a
+    class of our own: transformers refuses a second ``MaxLengthCriteria``)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
 def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | None = None) -> RunResult:
     """Run ``model.generate`` on ``input_ids [1, L]`` once untimed (``--warmup`` tokens), then
     timed with a progress bar.
@@ -342,6 +355,8 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
     :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result
     (with ``cuda_graphs``, the model's kept graphed cache serves the call and gives them).
     """
+    from transformers import StoppingCriteriaList
+
     from .apply import cache_kwarg
     from .cache import RecoverSSMCache
 
@@ -352,7 +367,12 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         if args.warmup:
             if args.do_sample:
                 torch.manual_seed(args.seed)
-            model.generate(input_ids, attention_mask=mask, **{**kw, "max_new_tokens": args.warmup})
+            warm = {**kw, "max_new_tokens": args.warmup}
+            if getattr(model, "_recoverssm", {}).get("cuda_graphs", False):
+                # stops after --warmup tokens, but makes the kept cache (and its graphs) the timed call reuses
+                warm["stopping_criteria"] = StoppingCriteriaList([_StopAt(input_ids.shape[1] + args.warmup)])
+                warm["max_new_tokens"] = args.max_new_tokens
+            model.generate(input_ids, attention_mask=mask, **warm)
         extra = {}
         graphed = getattr(model, "_recoverssm", {}).get("cuda_graphs", False)
         if speculative is not None and not graphed:
@@ -473,7 +493,8 @@ def run(args) -> int:
         ("model", model_desc),
         ("draft", draft_desc),
         ("device / dtype", f"{device} / {args.dtype}, {'sampling' if args.do_sample else 'greedy'}"
-                           + (", CUDA graphs" if graphs and device.type == "cuda" else "")),
+                           + ((", CUDA graphs" if device.type == "cuda" else ", graphed forward run eagerly (no CUDA)")
+                              if graphs else "")),
         ("new tokens", str(spec.new_tokens.numel())),
         ("seconds", f"{spec.seconds:.3f}"),
         ("tokens/s", f"{spec.tokens_per_s:.1f}"),
