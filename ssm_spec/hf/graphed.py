@@ -163,7 +163,7 @@ class GraphedForward:
         cache._begin_forward(B, L, model.get_input_embeddings().weight.dtype, input_ids.device)
         rb = cache.rollback
         if self._owner is None or self._owner[0] is not rb or self._owner[1] is not rb.pool:
-            self.graphs.clear()  # captured on buffers that are gone
+            self._drop_graphs()  # captured on buffers that are gone
             self._owner = (rb, rb.pool)
         plan = rb.plan
         kv_positions = self._positions(seen, L, input_ids.device)
@@ -189,13 +189,19 @@ class GraphedForward:
     def _static_layers(self):
         return [layer for layer in self.cache.layers if isinstance(layer, StaticAttentionLayer)]
 
+    def _drop_graphs(self) -> None:
+        """Forget the captured graphs and their memory pool (a pool whose graphs are all gone is
+        freed by the allocator; capturing into its old handle again trips an internal assert)."""
+        self.graphs.clear()
+        self.mempool = None
+
     def _fit_batch(self, B: int) -> None:
         """At the start of a sequence, re-size static buffers held for another batch size (beam
         search and ``num_return_sequences`` expand the batch inside ``generate``)."""
         for layer in self._static_layers():
             if layer.is_initialized and layer.keys.shape[0] != B:
                 layer.is_initialized = False  # allocated again by the next update
-                self.graphs.clear()
+                self._drop_graphs()
 
     def _mask(self, model, kv_positions: torch.Tensor) -> torch.Tensor:
         """``[1, 1, L, max_cache_len]``: query ``i`` sees cache rows ``0 .. kv_positions[i]``
