@@ -309,3 +309,38 @@ def test_padded_prompt_without_mask_uses_the_plain_cache(device):
     out = _greedy(model, ids, 8, pad_token_id=pad)
     assert _kept(model) is None
     assert torch.equal(out, _greedy(ref, ids, 8, pad_token_id=pad))
+
+
+def test_explicit_generation_config(device):
+    """A GenerationConfig passed in leaves use_cache and pad_token_id unset (None): they come from
+    the model's defaults, as transformers fills them (a None use_cache used to mean no cache,
+    and the converted layers then met transformers' DynamicCache)."""
+    from transformers import GenerationConfig
+
+    model, ref = _graphed_and_ref(device=device)
+    plain_model = apply_recoverssm(tiny_model("qwen3_next", seed=8).to(device))
+    ids = _ids(device)
+    want = ref.generate(ids, generation_config=GenerationConfig(max_new_tokens=24, do_sample=False))
+    for m in (model, plain_model):
+        for k in (None, 4):
+            gc = GenerationConfig(max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=k)
+            assert torch.equal(m.generate(ids, generation_config=gc), want), (m is model, k)
+    pad = TOK.pad_token_id
+    padded = torch.cat([torch.full((1, 2), pad, device=device), ids], 1)
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, use_cache=True)
+    model._recoverssm["graph_cache"].cache = None
+    out = model.generate(padded, generation_config=gc)  # the pad id is the model's: a plain cache
+    assert _kept(model) is None
+    assert torch.equal(out, plain_model.generate(padded, generation_config=gc))
+
+
+def test_passed_graphed_cache_too_small_is_refused_up_front(device):
+    model, _ = _graphed_and_ref(device=device)
+    key = model._recoverssm["cache_kwarg"]
+    ids = _ids(device)
+    cache = RecoverSSMCache(model, max_pending=4, max_cache_len=ids.shape[1] + 20)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        _greedy(model, ids, 50, prompt_lookup_num_tokens=3, **{key: cache})
+    assert cache.get_seq_length() == 0 and cache.rollback is None
+    out = _greedy(model, ids, 12, prompt_lookup_num_tokens=3, **{key: cache})
+    assert out.shape[1] == ids.shape[1] + 12

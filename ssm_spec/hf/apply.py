@@ -148,7 +148,7 @@ def _generate(self, *args, **kwargs):
     R = max(1, draft_length(gen_config, named) + 1)
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
-    if cache is None and not _uses_cache(gen_config, named):
+    if cache is None and not _setting(self, gen_config, named, "use_cache", True):
         return original(self, *args, **kwargs)  # every step re-feeds the sequence: no state to keep
     if cache is None:
         graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
@@ -158,6 +158,10 @@ def _generate(self, *args, **kwargs):
         kwargs[key] = cache
     elif isinstance(cache, RecoverSSMCache):
         cache.max_pending = max(cache.max_pending, R)
+        need = _tokens_needed(self, named, gen_config, R)
+        if cache.kv_capacity is not None and need is not None and cache.kv_capacity < need:
+            raise ValueError(f"generate: the cache holds max_cache_len={cache.kv_capacity} tokens; this call may "
+                             f"need {need} (prompt, new tokens and drafts)")
     else:
         raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
                          "(or none, and generate creates it)")
@@ -169,9 +173,29 @@ def _generate(self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
-def _uses_cache(generation_config, named) -> bool:
-    flag = named.get("use_cache")
-    return bool(getattr(generation_config, "use_cache", True) if flag is None else flag)
+def _setting(model, generation_config, named, name, default):
+    """A generation setting as transformers resolves it: the keyword argument, else the passed
+    generation config's value, else the model's generation config's (a value left ``None`` in
+    a passed config is filled from the model's), else ``default``."""
+    for value in (named.get(name), getattr(generation_config, name, None),
+                  getattr(model.generation_config, name, None)):
+        if value is not None:
+            return value
+    return default
+
+
+def _tokens_needed(model, named, generation_config, R) -> int | None:
+    """Tokens a ``generate`` call may hold in its cache: prompt plus new tokens (or
+    ``max_length``) plus the ``R`` of a verify window and one more; ``None`` without a prompt."""
+    prompt = named.get("inputs")
+    if prompt is None:
+        prompt = named.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
+        return None
+    P = prompt.shape[1]
+    new = _setting(model, generation_config, named, "max_new_tokens", None)
+    total = P + int(new) if new is not None else int(_setting(model, generation_config, named, "max_length", P))
+    return max(total, P) + R + 1
 
 
 def _is_assistant_call(generation_config, named) -> bool:
@@ -209,13 +233,10 @@ def _graph_cache(model, named, gen_config, R):
     mask = named.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         return None
-    pad = named.get("pad_token_id", getattr(gen_config, "pad_token_id", None))
+    pad = _setting(model, gen_config, named, "pad_token_id", None)
     if mask is None and pad is not None and bool((prompt == pad).any()):
         return None  # generate infers a padding mask from pad_token_id
-    B, P = prompt.shape
-    new = named.get("max_new_tokens") or getattr(gen_config, "max_new_tokens", None)
-    total = P + int(new) if new is not None else int(named.get("max_length") or gen_config.max_length or P)
-    need = total + R + 1
+    need = _tokens_needed(model, named, gen_config, R)
     state_dtype = model._recoverssm["state_dtype"]
     weight = model.get_input_embeddings().weight
     # graphs hold parameter addresses and the buffers' dtype, device and inference-ness
