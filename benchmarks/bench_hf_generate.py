@@ -250,6 +250,13 @@ def timed_generate_hf_torch(model, ids, clock, phases, hf_kernels: dict, **commo
     return result, {"kernels": kernels, "patched": patched, "same_as_hf": kernels == hf_kernels}
 
 
+def acceptance_summary(stats) -> dict:
+    """The JSON form of a cache's :class:`~ssm_spec.hf.AcceptanceStats`."""
+    return {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
+            "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
+            "position_rates": stats.position_rates}
+
+
 def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
     """``[L, V]`` fp32 logits of one forward over ``ids [1, L]`` from an empty cache (with a
     cache, so transformers runs the same kernel variants as in a prompt prefill: fla's
@@ -380,10 +387,7 @@ def run(args) -> dict:
 
     runs["ours+lookup"] = timed_generate(model, prompt, clock, phases, "lookup", make_extra=lookup_cache, **common)
     print(f"ours+lookup: {runs['ours+lookup']['tokens_per_s']:8.1f} tok/s", flush=True)
-    stats = runs["ours+lookup"]["extra"][key].stats
-    acceptance = {"rounds": stats.rounds, "drafted": stats.drafted, "accepted": stats.accepted,
-                  "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
-                  "position_rates": stats.position_rates}
+    acceptance = acceptance_summary(runs["ours+lookup"]["extra"][key].stats)
 
     graphs = None
     if args.graphs:
@@ -394,12 +398,10 @@ def run(args) -> dict:
                                                make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
         print(f"graphs+lookup: {runs['graphs+lookup']['tokens_per_s']:6.1f} tok/s", flush=True)
         gcache = model._recoverssm["graph_cache"].cache
-        gs, gf = gcache.stats, gcache.graphed
+        gf = gcache.graphed
         graphs = {"captured": len(gf.graphs), "replays": gf.replays, "eager_forwards": gf.eager_forwards,
                   "failed": gf.failed, "kv_capacity": gcache.kv_capacity,
-                  "acceptance": {"rounds": gs.rounds, "drafted": gs.drafted, "accepted": gs.accepted,
-                                 "mean_accepted_length": gs.mean_accepted_length,
-                                 "acceptance_rate": gs.acceptance_rate, "position_rates": gs.position_rates}}
+                  "acceptance": acceptance_summary(gcache.stats)}
         apply_recoverssm(model, cuda_graphs=False)
 
     with phases("ours forwards"):

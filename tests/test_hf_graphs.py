@@ -204,10 +204,10 @@ def test_body_rerun_keeps_the_plan(device):
         model(input_ids=ids, use_cache=True, **{key: cache})
         out = model(input_ids=ids[:, -3:], use_cache=True, **{key: cache})
         rb = cache.rollback
-        state = (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()])
+        state = (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed.static_layers])
         P = ids.shape[1]
         again = graphed._body(model, ids[:, -3:], None, graphed._positions(P, 3, ids.device))
-    assert (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed._static_layers()]) == state
+    assert (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed.static_layers]) == state
     assert torch.equal(again.logits, out.logits)
 
 

@@ -166,11 +166,15 @@ def _generate(self, *args, **kwargs):
         raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
                          "(or none, and generate creates it)")
     if cache.prompt_len is None and cache.get_seq_length() == 0:  # counts the first round's drafts
-        prompt = named.get("inputs")
-        if prompt is None:
-            prompt = named.get("input_ids")
+        prompt = _prompt(named)
         cache.prompt_len = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
     return original(self, *args, **kwargs)
+
+
+def _prompt(named):
+    """The prompt ``generate`` was called with (``inputs`` or ``input_ids``), or ``None``."""
+    prompt = named.get("inputs")
+    return named.get("input_ids") if prompt is None else prompt
 
 
 def _setting(model, generation_config, named, name, default):
@@ -187,9 +191,7 @@ def _setting(model, generation_config, named, name, default):
 def _tokens_needed(model, named, generation_config, R) -> int | None:
     """Tokens a ``generate`` call may hold in its cache: prompt plus new tokens (or
     ``max_length``) plus the ``R`` of a verify window and one more; ``None`` without a prompt."""
-    prompt = named.get("inputs")
-    if prompt is None:
-        prompt = named.get("input_ids")
+    prompt = _prompt(named)
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
         return None
     P = prompt.shape[1]
@@ -225,9 +227,7 @@ def _graph_cache(model, named, gen_config, R):
     """The cache of a ``cuda_graphs`` generate call: the model's kept one when it fits (batch
     size, state and model dtype, device, parameters, inference mode, enough tokens), else a
     new one kept in its place; ``None`` (the plain cache) for padded or embedding inputs."""
-    prompt = named.get("inputs")
-    if prompt is None:
-        prompt = named.get("input_ids")
+    prompt = _prompt(named)
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or named.get("inputs_embeds") is not None:
         return None
     mask = named.get("attention_mask")
@@ -261,10 +261,10 @@ def _forward(self, *args, **kwargs):
     a cache with ``max_cache_len`` runs the forward through its graphed path."""
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values"))
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(self.config, "use_cache", False)
     if isinstance(cache, RecoverSSMCache) and cache.graphed is not None:
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = getattr(self.config, "use_cache", True)
         if not use_cache:  # a forward that must not touch the cache: without it, as transformers runs it
             kwargs = {k: v for k, v in kwargs.items() if k not in (key, "past_key_values")}
             return type(self).forward(self, *args, **kwargs)
@@ -272,9 +272,6 @@ def _forward(self, *args, **kwargs):
             kwargs = {**inspect.signature(type(self).forward).bind_partial(self, *args).arguments, **kwargs}
             kwargs.pop("self", None)
         return cache.graphed(self, kwargs)
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(self.config, "use_cache", False)
     if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
         kwargs[key] = RecoverSSMCache(self, state_dtype=self._recoverssm["state_dtype"])
     return type(self).forward(self, *args, **kwargs)

@@ -363,18 +363,18 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
     kw = _gen_kwargs(args, model)
     kw.update(speculative or {})
     mask = torch.ones_like(input_ids)
+    graphed = getattr(model, "_recoverssm", {}).get("cuda_graphs", False)
     with torch.inference_mode():
         if args.warmup:
             if args.do_sample:
                 torch.manual_seed(args.seed)
             warm = {**kw, "max_new_tokens": args.warmup}
-            if getattr(model, "_recoverssm", {}).get("cuda_graphs", False):
+            if graphed:
                 # stops after --warmup tokens, but makes the kept cache (and its graphs) the timed call reuses
                 warm["stopping_criteria"] = StoppingCriteriaList([_StopAt(input_ids.shape[1] + args.warmup)])
                 warm["max_new_tokens"] = args.max_new_tokens
             model.generate(input_ids, attention_mask=mask, **warm)
         extra = {}
-        graphed = getattr(model, "_recoverssm", {}).get("cuda_graphs", False)
         if speculative is not None and not graphed:
             cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
             extra[cache_kwarg(model)] = cache

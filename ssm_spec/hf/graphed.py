@@ -71,6 +71,7 @@ class GraphedForward:
         cache: the cache (its attention layers are :class:`StaticAttentionLayer`).
 
     Attributes:
+        static_layers: the cache's :class:`StaticAttentionLayer` entries.
         capture: capture and replay CUDA graphs (default ``True``; ``False`` runs every
             forward eagerly on the same static buffers, for comparisons).
         graphs: ``{(batch, tokens, id(plan), position_ids shape): _Graph}`` captured on the
@@ -84,6 +85,7 @@ class GraphedForward:
 
     def __init__(self, cache):
         self.cache = cache
+        self.static_layers = [layer for layer in cache.layers if isinstance(layer, StaticAttentionLayer)]
         self.capture = True
         self.graphs: dict = {}
         self.mempool = None
@@ -181,14 +183,11 @@ class GraphedForward:
                 self.eager_forwards += 1
                 out = self._body(model, input_ids, position_ids, kv_positions, extra, keep)
         finally:  # the plan is begun: the attention layers hold these tokens too, as the GDN ones do
-            for layer in self._static_layers():
+            for layer in self.static_layers:
                 layer.length = seen + L
         return out.to_tuple() if kwargs.get("return_dict") is False else out
 
     # ------------------------------------------------------------------ the forward body
-    def _static_layers(self):
-        return [layer for layer in self.cache.layers if isinstance(layer, StaticAttentionLayer)]
-
     def _drop_graphs(self) -> None:
         """Forget the captured graphs and their memory pool (a pool whose graphs are all gone is
         freed by the allocator; capturing into its old handle again trips an internal assert)."""
@@ -198,7 +197,7 @@ class GraphedForward:
     def _fit_batch(self, B: int) -> None:
         """At the start of a sequence, re-size static buffers held for another batch size (beam
         search and ``num_return_sequences`` expand the batch inside ``generate``)."""
-        for layer in self._static_layers():
+        for layer in self.static_layers:
             if layer.is_initialized and layer.keys.shape[0] != B:
                 layer.is_initialized = False  # allocated again by the next update
                 self._drop_graphs()
@@ -218,7 +217,7 @@ class GraphedForward:
         cache = self.cache
         cache._last_layer = -1  # the plan is begun (by __call__): the converted layers must not begin another
         cache._in_graphed_body = True
-        for layer in self._static_layers():
+        for layer in self.static_layers:
             layer.write_index = kv_positions
         try:
             mask = {"full_attention": self._mask(model, kv_positions), "linear_attention": None}
@@ -229,7 +228,7 @@ class GraphedForward:
                                       **{key: cache}, **(extra or {}))
         finally:
             cache._in_graphed_body = False
-            for layer in self._static_layers():
+            for layer in self.static_layers:
                 layer.write_index = None  # a call that bypasses this forward finds no stale positions
         if self._output_type is None:
             self._output_type = type(out)
