@@ -14,9 +14,10 @@ each a uniform window of W tokens):
 * ``torch.ops.ssm_spec.gdn_commit`` with every token accepted (n = W) and with n = 1, in place
   (dst = src);
 * ``torch.ops.ssm_spec.gdn_snapshot_verify``: the native path, writing the state after each
-  of the W tokens into its own slot; and the same kernel with its own fastest tile
-  (``snapshot_own``, where ``SNAPSHOT_OWN_TILES`` differs from the window tile the op shares
-  with verify for bit identity); the ratios divide by the faster of the two;
+  of the W tokens into its own slot, on its own tile table (bits do not depend on tiles);
+* ``native_engine``: the native spec-decode kernel engines ship (``native_engine.py``: one
+  program per 8-wide V slice and (row, value head), one warp, every token's state into its own
+  slot), the second baseline;
 * ``torch.ops.ssm_spec.gdn_folded_verify``: the previous window (W tokens, all accepted) folded
   into the checkpoint, stored once, then this window verified; its records and the previous
   ones are different copies (double-buffered);
@@ -50,6 +51,7 @@ Usage::
     python benchmarks/bench_ops.py --state-dtype bfloat16
     python benchmarks/bench_ops.py --k 3 --batches 1,16,256
     python benchmarks/bench_ops.py --device cpu             # smoke test of the script
+    python benchmarks/bench_ops.py --replot results/bench_ops_nvidia-h200_float32.json  # redraw
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import argparse
 import importlib.metadata
 import inspect
 import itertools
+import json
 import math
 import statistics
 import sys
@@ -78,15 +81,22 @@ except ImportError:  # no Triton: the CPU smoke test still runs (torch FMA loop)
     triton = tl = None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot", "snapshot_own", "folded")
+KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot", "native_engine", "folded")
 PEER_KERNELS = ("fla", "fla_contig")
 LABELS = {
     "verify": "verify", "commit_nW": "commit n=W", "commit_n1": "commit n=1",
     "snapshot": "snapshot (native)",
-    "snapshot_own": "snapshot, its own fastest tile", "folded": "folded verify (n_prev=W)",
+    "folded": "folded verify (n_prev=W)",
+    "native_engine": "engine's native kernel (8-wide V slice, 1 warp)",
     "fla": "fla fused_recurrent", "fla_contig": "fla fused_recurrent, contiguous h0",
 }
 GIB = 1 << 30
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 FMA_CHAINS = 4  # independent FMA chains per element in the FMA kernel
 
 #: Minimum bytes each op must move (DRAM traffic of an ideal kernel), per layer and step.
@@ -106,6 +116,8 @@ BYTES_MODEL = {
                  "records per row)",
     "snapshot": "B * slot + T * slot + act_in + out  (read src; write W slots per row; "
                 "write out)",
+    "native_engine": "as snapshot (the engines' kernel: read the last accepted token's slot, "
+                     "write every token's state into its own slot)",
     "folded": "B * slot + B * slot + act_in + out + T * record_per_token + B * W * "
               "record_per_token  (read the checkpoint, store the committed state once; write "
               "out and the record; read the previous window's W records per row)",
@@ -174,7 +186,7 @@ class Shape:
             "folded": 2 * B * slot + act_in + out + T * rec_tok + B * W * rec_tok,
             "fla_contig": B * slot + act_in + out + B * slot32,
         }
-        moved["snapshot_own"] = moved["snapshot"]  # the same kernel on another tile
+        moved["native_engine"] = moved["snapshot"]  # the same traffic, the engines' structure
         if peer_mode == "indexed":
             moved["fla"] = 2 * B * slot + act_in + out
         else:
@@ -194,7 +206,7 @@ class Shape:
             "fla": 4 * T * E,
             "fla_contig": 4 * T * E,
         }
-        ops["snapshot_own"] = ops["snapshot"]  # the same kernel on another tile
+        ops["native_engine"] = ops["snapshot"]
         return ops
 
 
@@ -259,9 +271,6 @@ class BatchWorkload:
         dev, act = pool.device, shape.act_dtype
         T = B * W
         self.pool, self.n_sets, self.scale = pool, n_sets, K**-0.5
-        own = tile_config(shape, "snapshot_own") if dev.type == "cuda" else None
-        # timed only where it differs from the window tile (else it is the snapshot row itself)
-        self.own_tile = tuple(own) if own is not None and own != tile_config(shape) else None
         self.B, self.W, self.block = B, W, B * (W + 1)
         i32 = dict(dtype=torch.int32, device=dev)
 
@@ -328,14 +337,15 @@ class BatchWorkload:
         torch.ops.ssm_spec.gdn_snapshot_verify(*self.window[j], self.pool, self.src[i], self.qsl,
                                                self.snap[i], self.out[j], self.scale, True)
 
-    def snapshot_own(self, i: int) -> None:
-        """The snapshot with its own fastest tile (``SNAPSHOT_OWN_TILES``), not the window tile
-        it shares with verify for bit identity: the baseline at its best."""
-        from ssm_spec.ops.gdn.verify import launch_gdn_window
+    def native_engine(self, i: int) -> None:
+        """The engines' native kernel (``native_engine.py``): set ``i``'s snapshot slots as
+        the rows' per-token slots ``[B, W]``, the checkpoint read from the last one (all W
+        tokens of the previous step accepted), every token's state written in place."""
+        from native_engine import native_engine_verify
 
         j = i % self.n_act
-        launch_gdn_window(*self.window[j], self.pool, self.src[i], self.qsl, self.snap[i], self.out[j], None,
-                          self.scale, True, config=self.own_tile)
+        native_engine_verify(*self.window[j], self.pool, self.snap[i].view(self.B, self.W), self.n_all,
+                             self.out[j], self.scale, True)
 
     def folded(self, i: int) -> None:
         """Fold the previous window (all W tokens accepted, from the other record copy) into
@@ -388,8 +398,8 @@ class BatchWorkload:
             "snapshot": self.snapshot,
             "folded": self.folded,
         }
-        if self.own_tile is not None:
-            calls["snapshot_own"] = self.snapshot_own
+        if triton is not None and self.pool.device.type == "cuda" or _interpreting():
+            calls["native_engine"] = self.native_engine
         if self.peer is not None:
             calls["fla"] = self.fla
             if self.peer.mode == "gather":
@@ -540,12 +550,12 @@ def kernel_stats(us: float, nbytes: int, ops: int, copy: dict, fma: dict, how: s
 # ----------------------------------------------------------------------------- run
 
 
-def tile_config(shape: Shape, kernel: str = "window"):
+def tile_config(shape: Shape, kernel: str = "verify", batch: int | None = None):
     try:
         from ssm_spec.ops.gdn.inner import gdn_tile_config
     except ImportError:
         return None
-    return list(gdn_tile_config(shape.K, shape.V, kernel, shape.state_dtype))
+    return list(gdn_tile_config(shape.K, shape.V, kernel, shape.state_dtype, batch))
 
 
 def check_peer(work: BatchWorkload, peer: Peer, note: str) -> tuple[Peer | None, str, float | None]:
@@ -616,7 +626,7 @@ def run(args) -> dict:
                 us, how = timer.time_call(call, n_sets)
                 kernels[name] = kernel_stats(us, moved[name], ops[name], copy, fma, how)
             t = {name: kernels[name]["time_us"] for name in kernels}
-            snap = min(t["snapshot"], t.get("snapshot_own", math.inf))
+            snap = t["snapshot"]
             row = {
                 "k": k,
                 "W": W,
@@ -626,12 +636,16 @@ def run(args) -> dict:
                 "kernels": kernels,
                 "verify+commit_nW_us": t["verify"] + t["commit_nW"],
                 "verify+commit_n1_us": t["verify"] + t["commit_n1"],
-                # the baseline at its best: the faster of its two tiles
-                "snapshot_best_us": snap,
+                "snapshot_us": snap,
                 "ratio_vcW_over_snapshot": (t["verify"] + t["commit_nW"]) / snap,
                 "ratio_vc1_over_snapshot": (t["verify"] + t["commit_n1"]) / snap,
                 "ratio_folded_over_snapshot": t["folded"] / snap,
                 "ratio_folded_over_vcW": t["folded"] / (t["verify"] + t["commit_nW"]),
+                "native_engine_us": t.get("native_engine"),
+                "ratio_vcW_over_native_engine": ((t["verify"] + t["commit_nW"]) / t["native_engine"]
+                                                 if "native_engine" in t else None),
+                "ratio_folded_over_native_engine": (t["folded"] / t["native_engine"]
+                                                    if "native_engine" in t else None),
                 "bytes_ratio_vcW_over_snapshot":
                     (moved["verify"] + moved["commit_nW"]) / moved["snapshot"],
                 "bytes_ratio_vc1_over_snapshot":
@@ -660,9 +674,8 @@ def run(args) -> dict:
             "k": list(args.k), "W": [s.W for s in shapes], "batches": list(args.batches),
             "H": shape0.H, "HV": shape0.HV, "K": shape0.K, "V": shape0.V,
             "state_dtype": args.state_dtype, "act_dtype": args.act_dtype,
-            "tile_config_BK_BV_warps": tile_config(shape0),
-            "commit_tile_BK_BV_warps": tile_config(shape0, "commit"),
-            "snapshot_own_tile_BK_BV_warps": tile_config(shape0, "snapshot_own"),
+            "tiles_BK_BV_warps": {kernel: {B: tile_config(shape0, kernel, B) for B in args.batches}
+                                  for kernel in ("verify", "snapshot", "commit")},
             "pool_slots": num_slots, "slot_bytes": shape0.slot_bytes,
             "pool_bytes": num_slots * shape0.slot_bytes,
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
@@ -689,8 +702,9 @@ def run(args) -> dict:
 
 
 SHORT = {"verify": ("verify", "ver"), "commit_nW": ("commit_W", "cW"),
-         "commit_n1": ("commit_1", "c1"), "snapshot": ("snapshot", "snap"), "snapshot_own": ("snap_own", "snpo"),
-         "folded": ("folded", "fold"), "fla": ("fla", "fla"), "fla_contig": ("fla_cont", "flac")}
+         "commit_n1": ("commit_1", "c1"), "snapshot": ("snapshot", "snap"),
+         "folded": ("folded", "fold"), "fla": ("fla", "fla"), "fla_contig": ("fla_cont", "flac"),
+         "native_engine": ("engine", "eng")}
 
 
 def print_table(res: dict) -> None:
@@ -712,7 +726,8 @@ def print_table(res: dict) -> None:
     names = [n for n in (*KERNELS, *PEER_KERNELS) if any(n in r["kernels"] for r in res["rows"])]
     head = (f"{'B':>5} | " + " ".join(f"{SHORT[n][0]:>9}" for n in names)
             + " | %roof " + " ".join(f"{SHORT[n][1]:>4}" for n in names)
-            + f" | {'(v+cW)/s':>8} {'(v+c1)/s':>8} {'fold/s':>7} {'fold/(v+cW)':>11}")
+            + f" | {'(v+cW)/s':>8} {'(v+c1)/s':>8} {'fold/s':>7} {'fold/(v+cW)':>11}"
+            + f" {'(v+cW)/eng':>10} {'fold/eng':>8}")
     for kv in c["k"]:
         rows = [r for r in res["rows"] if r["k"] == kv]
         r0 = rows[0]
@@ -729,7 +744,12 @@ def print_table(res: dict) -> None:
                             else f"{'-':>4}" for n in names)
             print(f"{r['batch']:>5} | {times} |       {roof} "
                   f"| {r['ratio_vcW_over_snapshot']:8.3f} {r['ratio_vc1_over_snapshot']:8.3f} "
-                  f"{r['ratio_folded_over_snapshot']:7.3f} {r['ratio_folded_over_vcW']:11.3f}")
+                  f"{r['ratio_folded_over_snapshot']:7.3f} {r['ratio_folded_over_vcW']:11.3f} "
+                  f"{_ratio(r['ratio_vcW_over_native_engine']):>10} {_ratio(r['ratio_folded_over_native_engine']):>8}")
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def save_plot(res: dict, path: Path) -> bool:
@@ -744,7 +764,7 @@ def save_plot(res: dict, path: Path) -> bool:
     ks = c["k"]
     colours = {k: plt.cm.viridis(i / max(1, len(ks) - 1) * 0.9) for i, k in enumerate(ks)}
     ncols = 4
-    groups = -(-(len(names) + 1) // ncols)
+    groups = -(-(len(names) + 2) // ncols)
     fig, axes = plt.subplots(2 * groups, ncols, figsize=(4 * ncols, 5.6 * groups), squeeze=False)
     times = [r["kernels"][n]["time_us"] for r in rows for n in names if n in r["kernels"]]
     t_lim = (min(times) / 1.5, max(times) * 1.5)
@@ -776,6 +796,16 @@ def save_plot(res: dict, path: Path) -> bool:
                           color=colours[k], label=f"k={k}")
             ax_t.set(title="(verify + commit n=W) / snapshot", ylabel="time ratio")
             ax_f.set(title="folded / snapshot", ylabel="time ratio")
+            for ax in (ax_t, ax_f):
+                ax.axhline(1.0, color="grey", lw=0.8)
+        elif idx == len(names) + 1 and any(r.get("ratio_vcW_over_native_engine") for r in rows):
+            for k in ks:
+                ax_t.plot(*series(k, key="ratio_vcW_over_native_engine"), marker="o", ms=3,
+                          color=colours[k], label=f"k={k}")
+                ax_f.plot(*series(k, key="ratio_folded_over_native_engine"), marker="o", ms=3,
+                          color=colours[k], label=f"k={k}")
+            ax_t.set(title="(verify + commit n=W) / engine kernel", ylabel="time ratio")
+            ax_f.set(title="folded / engine kernel", ylabel="time ratio")
             for ax in (ax_t, ax_f):
                 ax.axhline(1.0, color="grey", lw=0.8)
         else:
@@ -872,6 +902,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--replot"]:  # redraw a saved run: --replot RESULT.json (no device needed)
+        if len(argv) != 2:
+            raise SystemExit("usage: bench_ops.py --replot RESULT.json")
+        path = Path(argv[1])
+        res = json.loads(path.read_text())
+        print_table(res)
+        save_plot(res, path.with_suffix(".png"))
+        print(f"wrote {path.with_suffix('.png')}")
+        return res
     args = parse_args(argv)
     res = run(args)
     print_table(res)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssm_spec_gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$OUT/tune" "$OUT/ncu"
 export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PARTS=${*:-tests bench}
 # carried wheels (fla-core for the chunked prefill): prepare them here with
@@ -64,12 +64,26 @@ for part in $PARTS; do
       python3 benchmarks/bench_step.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench_step.log"
       summary+=("bench step: $OUT/bench_step.log")
       ;;
-    tune)  # the shared GDN tile configuration: verify / commit / snapshot times and bit identity per (BV, warps)
-      for run in "1 float32" "3 float32" "3 bfloat16"; do
-        read -r k dtype <<< "$run"
-        name="tune_gdn_k${k}_$dtype"
-        python3 scripts/tune_gdn.py --k "$k" --state-dtype "$dtype" --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log"
-        summary+=("tune k=$k $dtype: $(tail -n 4 "$OUT/$name.log" | head -n 3 | tr '\n' ';')")
+    tune)  # GDN tiles per batch size: verify / commit / snapshot times, commit == snapshot, bits across tiles
+      # TUNE_RUNS="B k dtype tiles;..." (tiles 'BV:warps,...'; empty: every candidate)
+      IFS=';' read -ra runs <<< "${TUNE_RUNS:-1 3 float32 8:1,16:1,32:1;4 3 float32 8:1,16:1,32:1;16 3 float32 16:1,32:1,64:2;64 3 float32 16:1,32:1,32:2,64:2,64:4,128:4;256 3 float32 16:1,32:1,64:2;64 1 float32 16:1,32:1,64:2;64 5 float32 16:1,32:1,64:2;64 3 bfloat16 16:1,32:1,32:2,64:2;4 3 bfloat16 8:1,16:1,32:1}"
+      for r in "${runs[@]}"; do
+        read -r b k dt tiles <<< "$r"
+        name="tune_b${b}_k${k}_$dt"
+        python3 scripts/tune_gdn.py --batch "$b" --k "$k" --state-dtype "$dt" ${tiles:+--tiles "$tiles"} \
+          --out "$OUT/tune/$name.json" > "$OUT/tune/$name.log" 2>&1
+        summary+=("$name: $(grep -E "^fastest|bit-identical" "$OUT/tune/$name.log" | tr '\n' ';')")
+      done
+      ;;
+    ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)
+      for spec in ${NCU:-verify:- commit:- snapshot:- folded:-}; do
+        kern=${spec%%:*}; t=${spec#*:}
+        case $kern in commit) regex=gdn_commit_kernel ;; native_engine) regex=native_engine_kernel ;; *) regex=gdn_window_kernel ;; esac
+        ncu --clock-control none -k regex:$regex -s 2 -c 1 --section SpeedOfLight --section Occupancy \
+          --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+          python3 scripts/profile_gdn.py --kernel "$kern" ${t:+$([ "$t" != "-" ] && echo "--tile $t")} \
+          > "$OUT/ncu/ncu_${kern}_${t/:/_}.txt" 2>&1
+        summary+=("ncu $kern $t: $(grep -E "^ +(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy) " "$OUT/ncu/ncu_${kern}_${t/:/_}.txt" | awk '{print $1"="$NF}' | tr '\n' ' ')")
       done
       ;;
     graphs)  # eager vs captured step time and host time, realistic widths, batch 1 16 64
@@ -83,6 +97,14 @@ for part in $PARTS; do
     diag-fla)
       python3 scripts/diag_fla_prefill.py 2>&1 | tee "$OUT/diag_fla.log"
       summary+=("diag fla: $OUT/diag_fla.log")
+      ;;
+    sanitize)  # compute-sanitizer memcheck and racecheck over every GDN and conv kernel (small shapes)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/sanitize_kernels.py \
+          > "$OUT/sanitize_$tool.log" 2>&1
+        rc=$?
+        summary+=("sanitize $tool [$([ $rc -eq 0 ] && echo ok || echo "FAILED rc $rc")]: $(grep -E "ERROR SUMMARY|sanitize_kernels:" "$OUT/sanitize_$tool.log" | tr '\n' ' ')")
+      done
       ;;
     bench-bf16)
       python3 benchmarks/bench_ops.py --state-dtype bfloat16 --out-dir "$OUT" 2>&1 | tee "$OUT/bench_bf16.log"

@@ -283,19 +283,26 @@ def test_commit_noncontiguous_metadata(device):
 
 
 def test_tile_tables():
-    """The measured tile tables: verify / snapshot / folded share the window tile; commit has
-    its own; the benchmark's snapshot tile falls back to the window tile; other shapes get the
-    default rule; an unknown kernel name raises."""
-    from ssm_spec.ops.gdn.inner import WINDOW_TILES, gdn_tile_config
+    """The measured tile tables: an entry per kernel and batch bucket (the first whose bound
+    covers the batch; past every bound, the last), a large batch when none is given; other
+    shapes get the default rule; an unknown kernel name raises."""
+    from ssm_spec.ops.gdn.inner import KERNELS, TILES, gdn_tile_config
 
-    for (K, V, dtype), (bv, warps) in WINDOW_TILES.items():
-        assert gdn_tile_config(K, V, "window", dtype) == (K, bv, warps)
-    assert gdn_tile_config(128, 128, "commit", torch.float32) != gdn_tile_config(128, 128, "window", torch.float32)
-    assert gdn_tile_config(128, 128, "window", torch.bfloat16) != gdn_tile_config(128, 128, "window", torch.float32)
-    assert gdn_tile_config(24, 20) == gdn_tile_config(24, 20, "commit") == (32, 32, 4)  # not measured: the rule
-    assert gdn_tile_config(24, 20, "snapshot_own") == gdn_tile_config(24, 20)
+    for (K, V, dtype), kernels in TILES.items():
+        assert set(kernels) == set(KERNELS)
+        for kernel, entries in kernels.items():
+            bounds = [b for b, _, _ in entries]
+            assert bounds[-1] is None and all(x < y for x, y in zip(bounds[:-2], bounds[1:-1]))
+            for max_batch, bv, warps in entries:
+                for batch in ([1, max_batch] if max_batch is not None else [None, 10**6]):
+                    got = gdn_tile_config(K, V, kernel, dtype, batch)
+                    first = next(e for e in entries if e[0] is None or (batch is not None and batch <= e[0]))
+                    assert got == (K, first[1], first[2])
+    fp32 = TILES[(128, 128, torch.float32)]["verify"]
+    assert gdn_tile_config(128, 128, "verify", torch.float32) == (128, *fp32[-1][1:])
+    assert gdn_tile_config(24, 20) == gdn_tile_config(24, 20, "commit", batch=3) == (32, 32, 1)  # the rule
     with pytest.raises(ValueError, match="kernel"):
-        gdn_tile_config(128, 128, "verify")
+        gdn_tile_config(128, 128, "window")
     with pytest.raises(ValueError, match="K, V"):
         gdn_tile_config(0, 128)
 
@@ -303,9 +310,54 @@ def test_tile_tables():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_bits_do_not_depend_on_the_tile_on_gpu(state_dtype):
+    """Every output, record and state is a property of the code, not of the tile: verify, the
+    snapshot and commit (every count) on six tiles at Qwen3-Next widths, ragged windows and a
+    padding row, bit-identical to the first tile's; commit lands on the snapshot's states."""
+    from ssm_spec.ops.gdn.commit import launch_gdn_commit
+    from ssm_spec.ops.gdn.verify import launch_gdn_window
+
+    device, W = torch.device("cuda"), 4
+    lengths, srcs = [W, 2, W, 3], [0, 3, -1, 5]
+    inp, pool, qsl, src = _setup(device, (32, 16, 128, 128), lengths, srcs, state_dtype=state_dtype, seed=9,
+                                 act_dtype=torch.bfloat16)
+    T, S = inp.q.shape[0], pool.shape[0]
+    scratch = torch.cat([pool, torch.full((T, *pool.shape[1:]), float("nan"), device=device).to(state_dtype)])
+    snap_idx = torch.arange(S, S + T, dtype=torch.int32, device=device)
+    no_bnd = torch.empty(len(srcs), 0, dtype=torch.int32, device=device)
+    first = None
+    for tile in [(128, 8, 1), (128, 16, 1), (128, 32, 1), (128, 32, 2), (128, 64, 2), (128, 128, 4)]:
+        out = torch.full((T, 32, 128), float("nan"), device=device, dtype=torch.bfloat16)
+        rec = (torch.full((T, 32, 128), float("nan"), device=device), torch.full((T, 16, 128), float("nan"),
+               device=device), torch.full((T, 32), float("nan"), device=device))
+        launch_gdn_window(*inp.args(), pool, src, qsl, None, out, rec, 128**-0.5, True, config=tile)
+        snaps, snap_out = scratch.clone(), out.clone()
+        launch_gdn_window(*inp.args(), snaps, src, qsl, snap_idx, snap_out, None, 128**-0.5, True, config=tile)
+        commits = []
+        for n in range(W + 1):
+            work = pool.clone()
+            counts = i32([min(n, L) for L in lengths], device)
+            launch_gdn_commit(work, *rec, qsl, src, counts, src, no_bnd, no_bnd, config=tile)
+            for b, s in enumerate(srcs):
+                if s >= 0:
+                    c = int(counts[b])
+                    want = snaps[S + int(qsl[b]) + c - 1] if c else pool[s]
+                    assert torch.equal(work[s], want), (tile, n, b)
+            commits.append(work)
+        bits = (out, *rec, snaps, snap_out, *commits)
+        if first is None:
+            first = bits
+        else:
+            for got, want in zip(bits, first):
+                assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), tile
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_commit_bits_do_not_depend_on_its_tile_on_gpu(state_dtype):
-    """Commit's update is elementwise, so any commit tile lands on the snapshot's state (which
-    runs the window tile verify shares) bit for bit, at Qwen3-Next widths, every count."""
+    """Any commit tile lands on the snapshot's state (on its own table's tile) bit for bit, at
+    Qwen3-Next widths, every count."""
     from ssm_spec.ops.gdn.commit import launch_gdn_commit
     from ssm_spec.ops.gdn.inner import gdn_tile_config
 
@@ -316,7 +368,7 @@ def test_commit_bits_do_not_depend_on_its_tile_on_gpu(state_dtype):
     _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
     _, snaps = native_states(inp, pool, src, qsl)
     no_bnd = torch.empty(len(srcs), 0, dtype=torch.int32, device=device)
-    tiles = {gdn_tile_config(128, 128, "commit", state_dtype), gdn_tile_config(128, 128, "window", state_dtype),
+    tiles = {gdn_tile_config(128, 128, "commit", state_dtype), gdn_tile_config(128, 128, "verify", state_dtype),
              (128, 8, 1), (128, 32, 4), (128, 64, 4), (128, 128, 4)}
     for tile in sorted(tiles):
         for trial in range(W + 1):

@@ -247,27 +247,45 @@ def test_folded_kernel_is_commit_then_verify_bit_for_bit(counts):
         assert same_bits(got, want)
 
 
-@pytest.mark.parametrize("tile", [(16, 8, 1), (16, 16, 2), (16, 32, 4)])
-def test_commit_tile_does_not_change_the_state(tile):
-    """Commit under several tiles (its own table, COMMIT_TILES, may differ from the window tile):
-    the interpreter has no layouts, so this checks the tiling itself (the grid over V, the
-    masked last V tile at V=24) against the snapshot's state; that commit's bits do not depend
-    on the tile on the GPU is test_gdn_ops.test_commit_bits_do_not_depend_on_its_tile_on_gpu."""
-    W, HV, H, K, V = 3, 4, 2, 16, 24
-    lengths, srcs = [W, 2], [0, 3]
+def test_bits_do_not_depend_on_the_tile():
+    """Verify, the snapshot and commit (every count) on four tiles, ragged windows, a padding
+    row and a masked last V tile (V=24): outputs, records and states bit-identical to the
+    first tile's, commit on the snapshot's states. The interpreter has no layouts, so this
+    checks the code's own order (``kdot``) and the tiling (the grid over V, the masks); the
+    layouts are test_gdn_ops.test_bits_do_not_depend_on_the_tile_on_gpu's."""
+    W, HV, H, K, V = 4, 4, 2, 16, 24
+    lengths, srcs = [W, 2, 3], [0, -1, 3]
     qsl = qsl_from_lengths(lengths, "cpu")
     src = i32(srcs, "cpu")
     inp = gdn_inputs(int(qsl[-1]), H, HV, K, V, "cpu")
     pool = random_pool(8, HV, K, V, "cpu")
-    _, rec = _triton_verify(inp, pool, src, qsl)
-    snaps = _triton_native(inp, pool, src, qsl)
-    for n in range(W + 1):
-        counts = [min(n, length) for length in lengths]
-        work = pool.clone()
-        launch_gdn_commit(work, *rec, qsl, src, i32(counts, "cpu"), src, *no_boundaries(2, "cpu"), config=tile)
-        for b, s in enumerate(srcs):
-            want = snaps[int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
-            assert torch.equal(work[s], want), (tile, n, b)
+    first = None
+    for tile in [(16, 8, 1), (16, 16, 2), (16, 32, 4), (16, 4, 1)]:
+        T = inp.q.shape[0]
+        out = torch.full((T, HV, V), NAN)
+        rec = ops.ReplayRecord(torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN), torch.full((T, HV), NAN))
+        launch_gdn_window(*inp.args(), pool, src, qsl, None, out, rec, K**-0.5, True, config=tile)
+        S = pool.shape[0]
+        snaps = torch.cat([pool, torch.full((T, HV, K, V), NAN)])
+        snap_out = torch.full((T, HV, V), NAN)
+        launch_gdn_window(*inp.args(), snaps, src, qsl, torch.arange(S, S + T, dtype=torch.int32), snap_out, None,
+                          K**-0.5, True, config=tile)
+        assert same_bits(snap_out, out)
+        commits = []
+        for n in range(W + 1):
+            counts = [min(n, length) for length in lengths]
+            work = pool.clone()
+            launch_gdn_commit(work, *rec, qsl, src, i32(counts, "cpu"), src, *no_boundaries(3, "cpu"), config=tile)
+            for b, s in enumerate(srcs):
+                if s >= 0:
+                    want = snaps[S + int(qsl[b]) + counts[b] - 1] if counts[b] else pool[s]
+                    assert torch.equal(work[s], want), (tile, n, b)
+            commits.append(work)
+        bits = (out, *rec, snaps, *commits)
+        if first is None:
+            first = bits
+        for got, want in zip(bits, first):
+            assert same_bits(got, want), tile
 
 
 @pytest.fixture
@@ -338,3 +356,35 @@ def test_prefetch_reads_no_token_outside_a_window(load_addresses):
             p0 = min(max(p0, 0), TP)
             want |= set(range(p0, p0 + min(max(n, 0), TP - p0)))
         assert rows == want, (pstart, pn)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_native_engine_baseline_matches_reference(state_dtype):
+    """The benchmarks' engine baseline (``benchmarks/native_engine.py``) computes the GDN window:
+    each row from the slot of its last accepted token, every token's state into its own slot
+    (others untouched), outputs and states near the float64 reference."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from native_engine import native_engine_verify
+
+    B, W, H, HV, K, V = 3, 3, 1, 2, 16, 12
+    inp = gdn_inputs(B * W, H, HV, K, V, "cpu")
+    S = B * W + 2
+    pool = random_pool(S, HV, K, V, "cpu").to(state_dtype)
+    idx = torch.arange(S, dtype=torch.int32)[: B * W].view(B, W).flip(0).contiguous()
+    idx[1, 1] = -1  # a token whose state is not kept
+    n = i32([2, 1, 3], "cpu")
+    before = pool.clone()
+    out = torch.full((B * W, HV, V), NAN)
+    native_engine_verify(*inp.args(), pool, idx, n, out, K**-0.5)
+    for b in range(B):
+        src = int(idx[b, int(n[b]) - 1])
+        ref = reference.gdn_native_step(*inp.window(b * W, (b + 1) * W), before[src], dtype=torch.float64)
+        assert rel_err(out[b * W:(b + 1) * W], ref.out) < 1e-5
+        for t in range(W):
+            if int(idx[b, t]) >= 0:
+                tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+                assert rel_err(pool[int(idx[b, t])], ref.states[t]) < tol
+    assert same_bits(pool[B * W:], before[B * W:])

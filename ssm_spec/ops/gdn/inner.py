@@ -1,22 +1,23 @@
-"""The one inner update that GDN verify, commit and the native snapshot share, and their tiles.
+"""The inner update GDN verify, commit, the folded verify and the native snapshot share, and
+their tiles.
 
 Bit identity between commit and the native per-token state (DESIGN.md section 2) holds
-because all three kernels build the state with *these* functions. Verify and the snapshot
-(and the folded verify) must also run the same tile shape and ``num_warps``, since the order of
-the K reduction that produces ``u`` depends on them; commit does no reduction (its update is
-elementwise, one rounding per element), so its bits do not depend on its tile and it has its
-own (a departure from DESIGN.md section 2's wording, which has all three share one; tested on
-the H200 by ``tests/test_gdn_ops.py::test_commit_bits_do_not_depend_on_its_tile_on_gpu``).
-Tiles are chosen only here (:func:`gdn_tile_config`).
+because every kernel builds the state with *these* functions: commit replays the records
+verify wrote with the same elementwise update the snapshot applies. The bits of every
+reduction (the correction ``u``, the output, the q/k norms) are fixed by :func:`kdot`, which
+states its summation order in code instead of leaving it to ``tl.sum`` (whose tree follows the
+layout Triton picks for a tile): so the tile (``BV``, ``num_warps``) and the compiled mode
+(verify, snapshot, fold) change speed, never bits, and each kernel takes its own fastest tile
+per batch size (:data:`TILES`, :func:`gdn_tile_config`). Tested on the H200 across tiles
+(``tests/test_gdn_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu``, ``scripts/tune_gdn.py``).
 
-What the H200 taught us (``scripts/diag_bitwise.py``; ``docs/perf-notes.md``): with the
-key norm summed as a replicated ``[BK]`` vector, the ``k̂`` a program recorded and the one its
-own update used differed in the last bit for some shapes, so commit (which follows the record
-exactly) and the snapshot disagreed; :func:`l2_normalize_key` sums over the state tile
-instead. As further guards the two state operations are PTX (``mul.rn.f32``,
-``fma.rn.f32``), which neither LLVM nor ptxas may contract, and :func:`pin` makes the stored
-``u`` the registers the update reads. ``USE_PTX`` is off under ``TRITON_INTERPRET=1`` (the
-interpreter runs no PTX), where plain operations are exact.
+History (``docs/perf-notes.md``): with ``tl.sum`` the order depended on the layout, and even
+two compiled modes of one kernel (verify, snapshot) disagreed in the last bit; the kernels
+then had to share one tile and one binary, and a replicated ``[BK]`` key norm recorded another
+``k̂`` than the update used. As further guards the two state operations are PTX
+(``mul.rn.f32``, ``fma.rn.f32``), which neither LLVM nor ptxas may contract, and :func:`pin`
+makes the stored ``u`` the registers the update reads. ``USE_PTX`` is off under
+``TRITON_INTERPRET=1`` (the interpreter runs no PTX), where plain operations are exact.
 """
 
 from __future__ import annotations
@@ -29,11 +30,107 @@ import triton.language as tl
 
 #: Epsilon of the q/k L2 normalisation (DESIGN.md section 2).
 L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
+#: Halving steps :func:`_pairwise_rows` unrolls (enough for ``BK`` up to 2**12).
+LOG2_MAX_BK: tl.constexpr = tl.constexpr(12)
 
 
 @triton.jit
-def l2_normalize(x):
-    """``x * rsqrt(sum(x * x) + 1e-6)`` in fp32 (DESIGN.md section 2 writes ``x / sqrt(.)``).
+def _mul_rn(a, b, USE_PTX: tl.constexpr):
+    """``a * b`` rounded once and opaque to LLVM (``mul.rn.f32``), so it is never contracted
+    into a later addition: which addend a contraction picks would follow the layout."""
+    if USE_PTX:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _fold_halves(x):
+    """``x[:N/2] + x[N/2:]`` along the leading (key) axis of a ``[N]`` or ``[N, BV]`` tensor:
+    one IEEE addition of two named values per output (commutative), wherever Triton places
+    them (one thread's registers, two lanes or two warps)."""
+    if len(x.shape) == 1:
+        return tl.sum(tl.reshape(x, (2, x.shape[0] // 2)), axis=0)
+    else:
+        return tl.sum(tl.reshape(x, (2, x.shape[0] // 2, x.shape[1])), axis=0)
+
+
+@triton.jit
+def _top_halves(x):
+    """``x[:N/2], x[N/2:]`` along the leading (key) axis of a ``[N]`` or ``[N, BV]`` tensor (a
+    reshape and a split: the top bit of the row index sits in a thread's registers in
+    Triton's blocked layouts, so this moves nothing)."""
+    if len(x.shape) == 1:
+        return tl.split(tl.permute(tl.reshape(x, (2, x.shape[0] // 2)), (1, 0)))
+    else:
+        return tl.split(tl.permute(tl.reshape(x, (2, x.shape[0] // 2, x.shape[1])), (1, 2, 0)))
+
+
+@triton.jit
+def kdot(x, k, USE_PTX: tl.constexpr):
+    """``sum_i x[i] * k[i]`` over the key axis (axis 0) of ``x`` (``[BK]`` or ``[BK, BV]``,
+    ``BK`` a power of two >= 2) in an order written here, not chosen by Triton's layouts:
+
+    * the key axis is cut into ``G = min(8, BK)`` blocks by the top bits of the row index
+      (block ``j`` holds rows ``[j*BK/G, (j+1)*BK/G)``) and they are chained, row by row:
+      ``a = x_0*k_0`` (``mul.rn``, never contracted), then ``a = fma(x_j, k_j, a)`` for
+      ``j = 1..G-1``;
+    * the ``BK/G`` rows of ``a`` are then folded in halves, ``a[i] + a[i + N/2]``, until one row
+      is left (a perfect binary tree over the low bits of the row index).
+
+    Every step combines named values in a fixed way (IEEE addition is commutative), so neither
+    the layout Triton picks for a tile (``BV``, ``num_warps``) nor LLVM can change a bit: the
+    result is a function of the inputs and this code alone (tested across tiles on the H200).
+    In Triton's blocked layouts the high row bits sit in a thread's registers, so the block
+    split moves nothing and the chain is one FMA per element. Replaces ``tl.sum``, whose tree
+    follows the layout.
+    """
+    if len(x.shape) == 1:
+        kx = k
+    else:
+        kx = tl.broadcast_to(k[:, None], x.shape)
+    if x.shape[0] >= 8:
+        x_a, x_b = _top_halves(x)
+        k_a, k_b = _top_halves(kx)
+        x0, x1 = _top_halves(x_a)
+        x2, x3 = _top_halves(x_b)
+        k0, k1 = _top_halves(k_a)
+        k2, k3 = _top_halves(k_b)
+        x00, x01 = _top_halves(x0)
+        x10, x11 = _top_halves(x1)
+        x20, x21 = _top_halves(x2)
+        x30, x31 = _top_halves(x3)
+        k00, k01 = _top_halves(k0)
+        k10, k11 = _top_halves(k1)
+        k20, k21 = _top_halves(k2)
+        k30, k31 = _top_halves(k3)
+        acc = _mul_rn(x00, k00, USE_PTX)
+        acc = tl.fma(x01, k01, acc)
+        acc = tl.fma(x10, k10, acc)
+        acc = tl.fma(x11, k11, acc)
+        acc = tl.fma(x20, k20, acc)
+        acc = tl.fma(x21, k21, acc)
+        acc = tl.fma(x30, k30, acc)
+        acc = tl.fma(x31, k31, acc)
+    else:
+        x_lo, x_hi = _top_halves(x)
+        k_lo, k_hi = _top_halves(kx)
+        acc = tl.fma(x_hi, k_hi, _mul_rn(x_lo, k_lo, USE_PTX))
+    for _ in tl.static_range(LOG2_MAX_BK):
+        if acc.shape[0] > 1:
+            acc = _fold_halves(acc)
+    if len(x.shape) == 1:
+        return tl.reshape(acc, ())
+    else:
+        return tl.reshape(acc, (x.shape[1],))
+
+
+@triton.jit
+def l2_normalize(x, USE_PTX: tl.constexpr):
+    """``x * rsqrt(sum(x * x) + 1e-6)`` in fp32 for a ``[BK]`` vector (DESIGN.md section 2
+    writes ``x / sqrt(.)``), the sum taken by :func:`kdot` (an order of the code's, so ``k̂``
+    has the same bits in every tile and wherever Triton rematerializes it).
 
     One multiply per element instead of an IEEE division and square root. On CUDA ``rsqrt``
     is ``rsqrt.approx.ftz.f32`` (2 ulp), so ``k̂`` and ``q̂`` land within about 3 ulp of the
@@ -43,7 +140,7 @@ def l2_normalize(x):
     token in the one binary verify and the snapshot share, recorded, and replayed by commit;
     ``q̂`` only reaches the output.
     """
-    return x * tl.rsqrt(tl.sum(x * x, axis=0) + L2NORM_EPS)
+    return x * tl.rsqrt(kdot(x, x, USE_PTX) + L2NORM_EPS)
 
 
 @triton.jit
@@ -58,25 +155,10 @@ def gdn_decay(b_h, b_d, USE_PTX: tl.constexpr):
 
 
 @triton.jit
-def l2_normalize_key(b_k, BK: tl.constexpr, BV: tl.constexpr):
-    """``k * rsqrt(sum(k * k) + 1e-6)`` (as :func:`l2_normalize`) for a ``[BK]`` key, with the
-    sum taken over the key broadcast to the ``[BK, BV]`` state tile (every column holds the same sum; ``max`` picks it).
-
-    Summed as a replicated ``[BK]`` vector, the norm that reached the recorded ``k̂`` and the
-    one that reached the state update differed in the last bit on the H200 for some shapes
-    (K=16, 32: Triton rematerializes the chain per layout, and the replicated reduction sums
-    in another order in each). The tile's own layout gives one order for every use, and costs
-    less than the replicated reduction did (205 us against 213 us, verify at B=64, W=4).
-    """
-    b_k2 = tl.broadcast_to(b_k[:, None], (BK, BV))
-    return b_k * tl.rsqrt(tl.max(tl.sum(b_k2 * b_k2, axis=0), axis=0) + L2NORM_EPS)
-
-
-@triton.jit
-def gdn_correction(b_p, b_k, b_v, b_beta):
-    """``u = beta * (v - P^T k̂)``: ``[BV]`` from ``P [BK, BV]``, ``k̂ [BK, BV]`` (a key
-    broadcast along V), ``v [BV]``."""
-    return b_beta * (b_v - tl.sum(b_p * b_k, axis=0))
+def gdn_correction(b_p, b_k, b_v, b_beta, USE_PTX: tl.constexpr):
+    """``u = beta * (v - P^T k̂)``: ``[BV]`` from ``P [BK, BV]``, ``k̂ [BK]``, ``v [BV]``; the
+    K reduction is :func:`kdot` (its order is the code's, whatever the tile)."""
+    return b_beta * (b_v - kdot(b_p, b_k, USE_PTX))
 
 
 @triton.jit
@@ -106,6 +188,37 @@ def load_record_token(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k
     return b_k, b_u, b_d
 
 
+@triton.jit
+def replay_token(b_h, b_k, b_u, b_d, USE_PTX: tl.constexpr):
+    """One recorded token applied to a ``[BK, BV]`` fp32 state tile:
+    ``fma(k̂, u, S * d)`` (:func:`gdn_decay` then :func:`gdn_apply`), commit's and the fold's
+    update."""
+    return gdn_apply(gdn_decay(b_h, b_d, USE_PTX), tl.broadcast_to(b_k[:, None], b_h.shape), b_u, USE_PTX)
+
+
+@triton.jit
+def load_record_chunk(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                      s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh):
+    """The records of tokens ``tok .. tok + 3`` (:data:`REPLAY_CHUNK`), each ``(k̂, u, d)`` as
+    :func:`load_record_token` loads it (zeros at or past ``end``), issued together."""
+    c0 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
+    c1 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 1, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
+    c2 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 2, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
+    c3 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 3, end, i_h, i_hv, o_k, o_v, m_k, m_v,
+                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
+    return c0, c1, c2, c3
+
+
+#: Tokens whose records commit and the fold load at once, before applying them: a chunk's
+#: loads wait on memory once (every token of a k <= 3 window in one round trip), where a
+#: one-token prefetch exposed the latency each token (commit n=W fell to 74 % of copy
+#: bandwidth at k=3 against 91 % for n=1).
+REPLAY_CHUNK: tl.constexpr = tl.constexpr(4)
+
+
 _USE_PTX = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
 
 
@@ -132,40 +245,54 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-#: ``(K, V, state dtype) -> (BV, num_warps)`` measured on the H200 by ``scripts/tune_gdn.py``
-#: (B=64, k=1 and 3; runs in benchmarks/results/tune/, discussed in docs/perf-notes.md).
-#: ``WINDOW_TILES`` serves verify, the snapshot and the folded verify, which must share it (their K reductions make ``u``); commit does no
-#: reduction (its update is elementwise, so its bits do not depend on the tile) and has its own.
-#: ``SNAPSHOT_OWN_TILES`` is the native snapshot's own fastest tile, used only by the benchmark
-#: for a fair baseline (the op itself runs the window tile, for bit identity).
-WINDOW_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (64, 2),  # verify 85.7 us at k=3 (rsqrt sweep; BV=32, 4 warps: 166.9 before it)
-    (128, 128, torch.bfloat16): (32, 1),  # verify 77.7 us
+def block_k(K: int) -> int:
+    """The key-axis block of every GDN kernel: ``next_pow2(K)`` (at least 2, so :func:`kdot`
+    always has a pair to add)."""
+    return max(2, next_power_of_2(K))
+
+
+#: Measured tiles: ``(K, V, state dtype) -> kernel -> ((max_batch, BV, num_warps), ...)``, by
+#: ascending ``max_batch``; a launch of ``B`` rows takes the first entry with ``B <= max_batch``
+#: (``None``: any batch). Chosen on the H200 by ``scripts/tune_gdn.py`` (runs and reasoning in
+#: docs/perf-notes.md). Every GDN kernel's bits are a property of its code, not of its tile
+#: (:func:`kdot`), so verify, the folded verify, the snapshot and commit each take their own
+#: fastest tile per batch size, and a request's bits do not depend on the batch it runs in.
+TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int, int], ...]]] = {
+    # 2026-12-01 sweep (k=3 unless noted; fastest per batch, us): verify B=1 8/1 6.1, B=4 32/1 9.0,
+    # B=16 32/1 21.4, B=64 16/1 68.6 ~ 32/1 69.4 (k=5: 32/1 88.9), B=256 32/1 238; commit B<=16
+    # 16/1 (B=1 4.3, B=4 7.3, B=16 24.4), B>=64 64/2 (84.8; B=256 307.7); snapshot B<=4 16/1
+    # (7.1, 14.4), B>=16 64/2 (50.3, 184.2, 710.2)
+    (128, 128, torch.float32): {
+        "verify": ((2, 8, 1), (None, 32, 1)),
+        "snapshot": ((4, 16, 1), (None, 64, 2)),
+        "commit": ((16, 16, 1), (None, 64, 2)),
+    },
+    # verify 32/1 (B=4 8.4, B=64 61.8); commit B=4 16/1 5.9, B=64 32/2 57.9; snapshot 32/1 (10.2, 107.0)
+    (128, 128, torch.bfloat16): {
+        "verify": ((None, 32, 1),),
+        "snapshot": ((None, 32, 1),),
+        "commit": ((4, 16, 1), (None, 32, 2)),
+    },
 }
-COMMIT_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (64, 4),  # 70.5 us at k=1, 87.6 at k=3 (BV=16, 1 warp: 86.9, 86.1)
-    (128, 128, torch.bfloat16): (32, 2),  # 57.1 us at k=3 (no k=1 sweep)
-}
-SNAPSHOT_OWN_TILES: dict[tuple[int, int, torch.dtype], tuple[int, int]] = {
-    (128, 128, torch.float32): (16, 1),  # k=3, rsqrt sweep: 189.4 us (193.9 on the window tile)
-    (128, 128, torch.bfloat16): (64, 2),  # k=3, rsqrt sweep: 129.6 us (137.5 on the window tile)
-}
+KERNELS = ("verify", "snapshot", "commit")
 
 
 def _default_tile(K: int, V: int) -> tuple[int, int, int]:
-    bk = next_power_of_2(K)
-    return bk, min(next_power_of_2(V), max(8, 4096 // bk)), 4
+    """Shapes not in :data:`TILES`: one warp holding about 4096 state elements (128 per thread,
+    the measured sweet spot at Qwen3-Next widths)."""
+    bk = block_k(K)
+    return bk, max(1, min(next_power_of_2(V), 4096 // bk)), 1
 
 
 def check_tile(config, K: int) -> tuple[int, int, int]:
     """A launcher's ``config`` override ``(BK, BV, num_warps)`` (benchmarks and tuning), checked.
 
     Raises:
-        ValueError: not three integers, ``BK`` other than ``next_pow2(K)``, ``BV`` not a power
+        ValueError: not three integers, ``BK`` other than ``max(2, next_pow2(K))``, ``BV`` not a power
             of two or ``BK * BV`` above Triton's 2**20 elements per tensor, ``num_warps`` not
             in 1, 2, 4, 8, 16.
     """
-    want = next_power_of_2(K)
+    want = block_k(K)
     try:
         ok = len(config) == 3 and all(isinstance(c, int) and not isinstance(c, bool) for c in config)
     except TypeError:
@@ -175,32 +302,33 @@ def check_tile(config, K: int) -> tuple[int, int, int]:
         ok = (BK == want and BV >= 1 and not BV & (BV - 1) and BK * BV <= 1 << 20
               and warps in (1, 2, 4, 8, 16))
     if not ok:
-        raise ValueError(f"config: expected three ints (BK = next_pow2(K) = {want}, BV a power of two with "
+        raise ValueError(f"config: expected three ints (BK = max(2, next_pow2(K)) = {want}, BV a power of two with "
                          f"BK * BV <= 2**20, num_warps in 1, 2, 4, 8, 16), got {config!r}")
     return BK, BV, warps
 
 
-def gdn_tile_config(K: int, V: int, kernel: str = "window",
-                    state_dtype: torch.dtype = torch.float32) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` of a GDN kernel on a ``[K, V]`` state.
+def gdn_tile_config(K: int, V: int, kernel: str = "verify",
+                    state_dtype: torch.dtype = torch.float32, batch: int | None = None) -> tuple[int, int, int]:
+    """``(BK, BV, num_warps)`` of a GDN kernel on a ``[K, V]`` state for a launch of ``batch``
+    rows (``None``: a large batch).
 
-    A program holds the whole key dim (``BK = next_pow2(K)``, needed for the normalisation and
-    the reduction) and a ``BV``-wide slice of the value dim. ``kernel``: ``"window"`` (verify,
-    snapshot and folded verify: one tile for all three, so commit == snapshot bit for bit),
-    ``"commit"``, or ``"snapshot_own"`` (the benchmark's tuned native baseline);
-    ``state_dtype`` is the pool's. Shapes not in the measured tables get about 4096 state
-    elements per 4-warp program.
+    A program holds the whole key dim (``BK = max(2, next_pow2(K))``) and a ``BV``-wide slice of
+    the value dim. ``kernel``: ``"verify"`` (verify and the folded verify), ``"snapshot"`` or
+    ``"commit"``; ``state_dtype`` is the pool's. The tile changes speed only, never bits
+    (:data:`TILES`). Shapes not in the measured tables: :func:`_default_tile`.
 
     Raises:
         ValueError: an unknown ``kernel``, or ``K`` or ``V`` below 1.
     """
     if K < 1 or V < 1:
         raise ValueError(f"K, V: expected >= 1, got {K}, {V}")
-    tables = {"window": WINDOW_TILES, "commit": COMMIT_TILES, "snapshot_own": SNAPSHOT_OWN_TILES}
-    if kernel not in tables:
-        raise ValueError(f"kernel: expected one of {sorted(tables)}, got {kernel!r}")
-    key = (K, V, state_dtype)
-    tile = tables[kernel].get(key) or (tables["window"].get(key) if kernel == "snapshot_own" else None)
-    if tile is None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
+    entries = TILES.get((K, V, state_dtype), {}).get(kernel)
+    if not entries:
         return _default_tile(K, V)
-    return next_power_of_2(K), tile[0], tile[1]
+    for max_batch, bv, warps in entries:
+        if max_batch is None or (batch is not None and batch <= max_batch):
+            return block_k(K), bv, warps
+    _, bv, warps = entries[-1]  # a batch past every bound: the last (largest) entry
+    return block_k(K), bv, warps

@@ -28,15 +28,17 @@ from .._validate import (
 )
 from .._window import clamped_window, load_window
 from .inner import (
+    REPLAY_CHUNK,
     check_tile,
     gdn_apply,
     gdn_correction,
     gdn_decay,
     gdn_tile_config,
+    kdot,
     l2_normalize,
-    l2_normalize_key,
-    load_record_token,
+    load_record_chunk,
     pin,
+    replay_token,
     use_ptx,
 )
 
@@ -82,9 +84,9 @@ def load_window_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, end, i_h, i_hv, o
     return b_q, b_k, b_v, b_g, b_beta
 
 
-@triton.jit(do_not_specialize=["S", "TP", "store_record", "store_snapshots", "fold",
+@triton.jit(do_not_specialize=["S", "TP",
                                # the fold's inputs are dummies when it is off: never specialized
-                               # on them, so every mode stays one binary
+                               # on them
                                "pru_ptr", "prk_ptr", "prd_ptr", "pstart_ptr", "pn_ptr",
                                "s_prut", "s_pruh", "s_pruv", "s_prkt", "s_prkh", "s_prkk",
                                "s_prdt", "s_prdh", "s_pstart", "s_pn"])
@@ -93,27 +95,27 @@ def gdn_window_kernel(
     state_ptr, src_ptr, qsl_ptr, snap_ptr,
     out_ptr, ru_ptr, rk_ptr, rd_ptr,
     pru_ptr, prk_ptr, prd_ptr, pstart_ptr, pn_ptr,
-    scale, T, S, TP, store_record, store_snapshots, fold,
+    scale, T, S, TP,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
     s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
     s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
     s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk, s_prdt, s_prdh, s_pstart, s_pn,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr,
+    STORE_RECORD: tl.constexpr, STORE_SNAPSHOTS: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One program per (V tile, row x value head): the state tile stays in registers across
-    the row's window. ``store_record``: write the replay record (verify). ``store_snapshots``:
-    write the state after each token into ``snap_ptr[t]`` (the native path). ``fold``: first
+    the row's window. ``STORE_RECORD``: write the replay record (verify). ``STORE_SNAPSHOTS``:
+    write the state after each token into ``snap_ptr[t]`` (the native path). ``FOLD``: first
     replay the row's previous window, ``pn[b]`` tokens of the previous step's records from
     token ``pstart[b]`` (``TP`` rows), onto the checkpoint, store it once in the pool's dtype
     and verify from that stored value (the folded commit).
 
-    The modes are *runtime* flags, not constexprs, and are excluded from specialization
-    (with ``S``, ``TP``): verify, snapshot and the folded verify then run one compiled binary,
-    so the layout Triton picks for the state tile, and with it the order of the K reduction
-    that yields ``u``, is the same for all. Constexpr modes compiled two binaries whose
-    reductions differed in the last bit on the H200 (K=16, V=32). The fold replays records
-    with the commit's elementwise update (no reduction), so it lands on the commit's bits."""
+    The modes are constexprs: each compiles its own binary (verify carries no snapshot or
+    fold code, and its registers), and the binaries agree bit for bit because every reduction
+    is :func:`~ssm_spec.ops.gdn.inner.kdot`, whose order is the code's, not the layout's. The
+    fold replays records with the commit's update (:func:`~ssm_spec.ops.gdn.inner.replay_token`),
+    so it lands on the commit's bits."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -136,21 +138,22 @@ def gdn_window_kernel(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
             s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
         b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
-        if fold != 0:
+        if FOLD:
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_pstart), 0), TP)
             pn = tl.minimum(tl.maximum(tl.load(pn_ptr + i_b * s_pn), 0), TP - p0)
             tok = p0.to(tl.int64)
-            n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv,
-                                                 o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh,
-                                                 s_prkk, s_prdt, s_prdh)
-            while tok < p0 + pn:
-                b_kp, b_up, b_dp = n_kp, n_up, n_dp
-                n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok + 1, p0 + pn, i_h,
-                                                     i_hv, o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt,
-                                                     s_prkh, s_prkk, s_prdt, s_prdh)
-                b_h = gdn_apply(gdn_decay(b_h, b_dp, USE_PTX), tl.broadcast_to(b_kp[:, None], (BK, BV)), b_up,
-                                USE_PTX)
-                tok += 1
+            while tok < p0 + pn:  # REPLAY_CHUNK records loaded at once, applied in order (as commit)
+                c0, c1, c2, c3 = load_record_chunk(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv, o_k, o_v,
+                                                   m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk,
+                                                   s_prdt, s_prdh)
+                b_h = replay_token(b_h, *c0, USE_PTX)
+                if tok + 1 < p0 + pn:
+                    b_h = replay_token(b_h, *c1, USE_PTX)
+                if tok + 2 < p0 + pn:
+                    b_h = replay_token(b_h, *c2, USE_PTX)
+                if tok + 3 < p0 + pn:
+                    b_h = replay_token(b_h, *c3, USE_PTX)
+                tok += REPLAY_CHUNK
             if pn > 0:  # the committed state, stored once; verify continues from the stored value
                 b_hs = b_h.to(state_ptr.dtype.element_ty)
                 tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
@@ -162,27 +165,24 @@ def gdn_window_kernel(
                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t + 1, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
                 s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
             if USE_QK_L2NORM:
-                b_k = l2_normalize_key(b_k, BK, BV)
-            b_k = tl.broadcast_to(b_k[:, None], (BK, BV))  # k̂ as a state-shaped tile
-            if USE_QK_L2NORM:
-                b_q = l2_normalize(b_q) * scale
+                b_k = l2_normalize(b_k, USE_PTX)
+                b_q = l2_normalize(b_q, USE_PTX) * scale
             else:
                 b_q = b_q * scale
             b_d = tl.exp(b_g)
             b_p = gdn_decay(b_h, b_d, USE_PTX)
-            b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta), USE_PTX)
-            b_h = gdn_apply(b_p, b_k, b_u, USE_PTX)
-            b_o = tl.sum(b_h * b_q[:, None], axis=0)
+            b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta, USE_PTX), USE_PTX)
+            b_h = gdn_apply(b_p, tl.broadcast_to(b_k[:, None], (BK, BV)), b_u, USE_PTX)
+            b_o = kdot(b_h, b_q, USE_PTX)
             tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
                      b_o.to(out_ptr.dtype.element_ty), mask=m_v)
-            if store_record != 0:
+            if STORE_RECORD:
                 tl.store(ru_ptr + t * s_rut + i_hv * s_ruh + o_v * s_ruv, b_u, mask=m_v)
                 if i_v == 0:
                     tl.store(rd_ptr + t * s_rdt + i_hv * s_rdh, b_d)
-                if write_k:  # column 0 of the k̂ tile
-                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k[:, None] * s_rkk + 0 * o_v[None, :],
-                             b_k, mask=m_k[:, None] & (tl.arange(0, BV) == 0)[None, :])
-            if store_snapshots != 0:
+                if write_k:
+                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
+            if STORE_SNAPSHOTS:
                 snap = tl.load(snap_ptr + t * s_snap).to(tl.int64)
                 if (snap >= 0) & (snap < S):
                     tl.store(state_ptr + snap * s_ss + tile,
@@ -196,14 +196,16 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
 
     ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
     tensor or None; ``fold`` is ``(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-    prev_num_accepted_tokens)`` or None. ``config`` overrides the window tile ``(BK, BV,
-    num_warps)`` (benchmarks and tuning: commit == snapshot needs the snapshot and verify on one
-    tile; ``ValueError`` for a tile the kernel cannot run, see :func:`check_tile`).
+    prev_num_accepted_tokens)`` or None. ``config`` overrides the tile ``(BK, BV, num_warps)``
+    of :func:`gdn_tile_config` (benchmarks and tuning; bits do not depend on it;
+    ``ValueError`` for a tile the kernel cannot run, see :func:`check_tile`).
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = src_indices.shape[0]
-    BK, BV, num_warps = check_tile(config, K) if config is not None else gdn_tile_config(K, V, "window", state.dtype)
+    kernel = "snapshot" if snapshot_indices is not None else "verify"
+    BK, BV, num_warps = (check_tile(config, K) if config is not None
+                         else gdn_tile_config(K, V, kernel, state.dtype, B))
     if B == 0:
         return
     # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
@@ -229,13 +231,13 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
     gdn_window_kernel[grid](
         q, k, v, g, beta, state, src_indices, query_start_loc, snap, out, ru, rk, rd,
         pru, prk, prd, pstart, pn,
-        float(scale), T, state.shape[0], TP, int(record is not None), int(snapshot_indices is not None),
-        int(fold is not None),
+        float(scale), T, state.shape[0], TP,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
         *out.stride(), *rec_strides, *fold_strides,
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_PTX=use_ptx(), num_warps=num_warps,
+        USE_PTX=use_ptx(), STORE_RECORD=record is not None, STORE_SNAPSHOTS=snapshot_indices is not None,
+        FOLD=fold is not None, num_warps=num_warps,
     )
 
 
