@@ -23,7 +23,7 @@ from .._validate import (
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
-from .inner import REPLAY_CHUNK, check_tile, gdn_tile_config, load_record_chunk, replay_token, use_ptx
+from .inner import check_tile, gdn_tile_config, load_record_token, replay_token, use_ptx
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -73,31 +73,23 @@ def gdn_commit_kernel(
         layer = state_ptr + i_l * s_sl
         tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
         ru_l, rk_l, rd_l = ru_ptr + i_l * s_rul, rk_ptr + i_l * s_rkl, rd_ptr + i_l * s_rdl
-        # records are loaded REPLAY_CHUNK tokens at a time (masked past n), then applied in
-        # order; the first chunk's loads go out beside the state tile's (a while loop: Triton
-        # 3.6's interpreter cannot range() over loaded bounds)
+        # the first record loads beside the state tile, and each next one while this one is
+        # applied (a while loop: Triton 3.6's interpreter cannot range() over loaded bounds,
+        # and Triton does not pipeline it). Loading four records at once was measured slower
+        # (docs/perf-notes.md: registers 156 -> 255, one accepted token 68 -> 77 us at B=64).
+        n_k, n_u, n_d = load_record_token(ru_l, rk_l, rd_l, bos.to(tl.int64), bos + n, i_h, i_hv, o_k, o_v, m_k, m_v,
+                                          s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
         b_h = tl.load(layer + src * s_ss + tile, mask=m_h, other=0).to(tl.float32)
         t = 0
         while t < n:
-            c0, c1, c2, c3 = load_record_chunk(ru_l, rk_l, rd_l, (bos + t).to(tl.int64), bos + n, i_h, i_hv,
-                                               o_k, o_v, m_k, m_v, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk,
-                                               s_rdt, s_rdh)
-            b_h = replay_token(b_h, *c0, USE_PTX)
+            b_k, b_u, b_d = n_k, n_u, n_d
+            n_k, n_u, n_d = load_record_token(ru_l, rk_l, rd_l, (bos + t + 1).to(tl.int64), bos + n, i_h, i_hv,
+                                              o_k, o_v, m_k, m_v, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk,
+                                              s_rdt, s_rdh)
+            b_h = replay_token(b_h, b_k, b_u, b_d, USE_PTX)
             store_boundaries(layer, b_h, t + 1, i_b, tile, m_h, S, NBD, bidx_ptr, boff_ptr, s_ss, s_bib, s_bij,
                              s_bob, s_boj)
-            if t + 1 < n:
-                b_h = replay_token(b_h, *c1, USE_PTX)
-                store_boundaries(layer, b_h, t + 2, i_b, tile, m_h, S, NBD, bidx_ptr, boff_ptr, s_ss, s_bib,
-                                 s_bij, s_bob, s_boj)
-            if t + 2 < n:
-                b_h = replay_token(b_h, *c2, USE_PTX)
-                store_boundaries(layer, b_h, t + 3, i_b, tile, m_h, S, NBD, bidx_ptr, boff_ptr, s_ss, s_bib,
-                                 s_bij, s_bob, s_boj)
-            if t + 3 < n:
-                b_h = replay_token(b_h, *c3, USE_PTX)
-                store_boundaries(layer, b_h, t + 4, i_b, tile, m_h, S, NBD, bidx_ptr, boff_ptr, s_ss, s_bib,
-                                 s_bij, s_bob, s_boj)
-            t += REPLAY_CHUNK
+            t += 1
         dst = tl.load(dst_ptr + i_b * s_dst).to(tl.int64)
         if (dst >= 0) & (dst < S):
             tl.store(layer + dst * s_ss + tile, b_h.to(state_ptr.dtype.element_ty), mask=m_h)

@@ -196,29 +196,6 @@ def replay_token(b_h, b_k, b_u, b_d, USE_PTX: tl.constexpr):
     return gdn_apply(gdn_decay(b_h, b_d, USE_PTX), tl.broadcast_to(b_k[:, None], b_h.shape), b_u, USE_PTX)
 
 
-@triton.jit
-def load_record_chunk(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                      s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh):
-    """The records of tokens ``tok .. tok + 3`` (:data:`REPLAY_CHUNK`), each ``(k̂, u, d)`` as
-    :func:`load_record_token` loads it (zeros at or past ``end``), issued together."""
-    c0 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
-    c1 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 1, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
-    c2 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 2, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
-    c3 = load_record_token(ru_ptr, rk_ptr, rd_ptr, tok + 3, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
-    return c0, c1, c2, c3
-
-
-#: Tokens whose records commit and the fold load at once, before applying them: a chunk's
-#: loads wait on memory once (every token of a k <= 3 window in one round trip), where a
-#: one-token prefetch exposed the latency each token (commit n=W fell to 74 % of copy
-#: bandwidth at k=3 against 91 % for n=1).
-REPLAY_CHUNK: tl.constexpr = tl.constexpr(4)
-
-
 _USE_PTX = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True") and torch.version.hip is None
 
 
@@ -259,19 +236,20 @@ def block_k(K: int) -> int:
 #: fastest tile per batch size, and a request's bits do not depend on the batch it runs in.
 TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int, int], ...]]] = {
     # 2026-12-01 sweep (k=3 unless noted; fastest per batch, us): verify B=1 8/1 6.1, B=4 32/1 9.0,
-    # B=16 32/1 21.4, B=64 16/1 68.6 ~ 32/1 69.4 (k=5: 32/1 88.9), B=256 32/1 238; commit B<=16
-    # 16/1 (B=1 4.3, B=4 7.3, B=16 24.4), B>=64 64/2 (84.8; B=256 307.7); snapshot B<=4 16/1
-    # (7.1, 14.4), B>=16 64/2 (50.3, 184.2, 710.2)
+    # B=16 32/1 21.4, B=64 16/1 68.6 ~ 32/1 69.4 (k=5: 32/1 88.9), B=256 32/1 238; snapshot B<=4
+    # 16/1 (7.1, 14.4), B>=16 64/2 (50.3, 184.2, 710.2). Commit (one-token record prefetch, the
+    # 2026-11-29 sweep): 64/4 (70.5 us at k=1, 87.6 at k=3, B=64).
     (128, 128, torch.float32): {
         "verify": ((2, 8, 1), (None, 32, 1)),
         "snapshot": ((4, 16, 1), (None, 64, 2)),
-        "commit": ((16, 16, 1), (None, 64, 2)),
+        "commit": ((None, 64, 4),),
     },
-    # verify 32/1 (B=4 8.4, B=64 61.8); commit B=4 16/1 5.9, B=64 32/2 57.9; snapshot 32/1 (10.2, 107.0)
+    # verify 32/1 (B=4 8.4, B=64 61.8); snapshot 32/1 (10.2, 107.0); commit 32/2 (57.1 at k=3, B=64,
+    # the 2026-11-29 sweep)
     (128, 128, torch.bfloat16): {
         "verify": ((None, 32, 1),),
         "snapshot": ((None, 32, 1),),
-        "commit": ((4, 16, 1), (None, 32, 2)),
+        "commit": ((None, 32, 2),),
     },
 }
 KERNELS = ("verify", "snapshot", "commit")

@@ -28,7 +28,6 @@ from .._validate import (
 )
 from .._window import clamped_window, load_window
 from .inner import (
-    REPLAY_CHUNK,
     check_tile,
     gdn_apply,
     gdn_correction,
@@ -36,7 +35,7 @@ from .inner import (
     gdn_tile_config,
     kdot,
     l2_normalize,
-    load_record_chunk,
+    load_record_token,
     pin,
     replay_token,
     use_ptx,
@@ -142,18 +141,16 @@ def gdn_window_kernel(
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_pstart), 0), TP)
             pn = tl.minimum(tl.maximum(tl.load(pn_ptr + i_b * s_pn), 0), TP - p0)
             tok = p0.to(tl.int64)
-            while tok < p0 + pn:  # REPLAY_CHUNK records loaded at once, applied in order (as commit)
-                c0, c1, c2, c3 = load_record_chunk(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv, o_k, o_v,
-                                                   m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk,
-                                                   s_prdt, s_prdh)
-                b_h = replay_token(b_h, *c0, USE_PTX)
-                if tok + 1 < p0 + pn:
-                    b_h = replay_token(b_h, *c1, USE_PTX)
-                if tok + 2 < p0 + pn:
-                    b_h = replay_token(b_h, *c2, USE_PTX)
-                if tok + 3 < p0 + pn:
-                    b_h = replay_token(b_h, *c3, USE_PTX)
-                tok += REPLAY_CHUNK
+            n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv,
+                                                 o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh,
+                                                 s_prkk, s_prdt, s_prdh)
+            while tok < p0 + pn:  # the next record loads while this one is applied (as commit)
+                b_kp, b_up, b_dp = n_kp, n_up, n_dp
+                n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok + 1, p0 + pn, i_h,
+                                                     i_hv, o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt,
+                                                     s_prkh, s_prkk, s_prdt, s_prdh)
+                b_h = replay_token(b_h, b_kp, b_up, b_dp, USE_PTX)
+                tok += 1
             if pn > 0:  # the committed state, stored once; verify continues from the stored value
                 b_hs = b_h.to(state_ptr.dtype.element_ty)
                 tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
