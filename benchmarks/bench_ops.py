@@ -752,6 +752,13 @@ def _ratio(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+#: The ratio panels of the plot: (top row key, bottom row key, the baseline's name).
+RATIO_PANELS = (("ratio_vcW_over_snapshot", "ratio_folded_over_snapshot", "snapshot"),
+                ("ratio_vcW_over_native_engine", "ratio_folded_over_native_engine", "engine kernel"))
+RATIO_TITLES = {"ratio_vcW_over_snapshot": "(verify + commit n=W)", "ratio_folded_over_snapshot": "folded",
+                "ratio_vcW_over_native_engine": "(verify + commit n=W)", "ratio_folded_over_native_engine": "folded"}
+
+
 def save_plot(res: dict, path: Path) -> bool:
     """One column per kernel: median time (top) and roofline fraction (bottom) vs batch, one
     colour per k; the last column holds the ratios (v + commit n=W) / snapshot and
@@ -764,7 +771,7 @@ def save_plot(res: dict, path: Path) -> bool:
     ks = c["k"]
     colours = {k: plt.cm.viridis(i / max(1, len(ks) - 1) * 0.9) for i, k in enumerate(ks)}
     ncols = 4
-    groups = -(-(len(names) + 2) // ncols)
+    groups = -(-(len(names) + len(RATIO_PANELS)) // ncols)
     fig, axes = plt.subplots(2 * groups, ncols, figsize=(4 * ncols, 5.6 * groups), squeeze=False)
     times = [r["kernels"][n]["time_us"] for r in rows for n in names if n in r["kernels"]]
     t_lim = (min(times) / 1.5, max(times) * 1.5)
@@ -788,25 +795,12 @@ def save_plot(res: dict, path: Path) -> bool:
                           label=f"k={k}")
             ax_t.set(yscale="log", ylim=t_lim, title=LABELS[name], ylabel="median time (us)")
             ax_f.set(ylim=(0, f_max), ylabel="fraction of roofline floor")
-        elif idx == len(names):
-            for k in ks:
-                ax_t.plot(*series(k, key="ratio_vcW_over_snapshot"), marker="o", ms=3,
-                          color=colours[k], label=f"k={k}")
-                ax_f.plot(*series(k, key="ratio_folded_over_snapshot"), marker="o", ms=3,
-                          color=colours[k], label=f"k={k}")
-            ax_t.set(title="(verify + commit n=W) / snapshot", ylabel="time ratio")
-            ax_f.set(title="folded / snapshot", ylabel="time ratio")
-            for ax in (ax_t, ax_f):
-                ax.axhline(1.0, color="grey", lw=0.8)
-        elif idx == len(names) + 1 and any(r.get("ratio_vcW_over_native_engine") for r in rows):
-            for k in ks:
-                ax_t.plot(*series(k, key="ratio_vcW_over_native_engine"), marker="o", ms=3,
-                          color=colours[k], label=f"k={k}")
-                ax_f.plot(*series(k, key="ratio_folded_over_native_engine"), marker="o", ms=3,
-                          color=colours[k], label=f"k={k}")
-            ax_t.set(title="(verify + commit n=W) / engine kernel", ylabel="time ratio")
-            ax_f.set(title="folded / engine kernel", ylabel="time ratio")
-            for ax in (ax_t, ax_f):
+        elif idx < len(names) + len(RATIO_PANELS) and any(r.get(RATIO_PANELS[idx - len(names)][0]) for r in rows):
+            base = RATIO_PANELS[idx - len(names)]
+            for ax, key in ((ax_t, base[0]), (ax_f, base[1])):
+                for k in ks:
+                    ax.plot(*series(k, key=key), marker="o", ms=3, color=colours[k], label=f"k={k}")
+                ax.set(title=f"{RATIO_TITLES[key]} / {base[2]}", ylabel="time ratio")
                 ax.axhline(1.0, color="grey", lw=0.8)
         else:
             ax_t.axis("off")
