@@ -1,0 +1,95 @@
+"""Closed-form ("chunked") GDN window: the oracle twin of the fast mode's verify (issue 15).
+
+The exact token loop (:func:`ssm_spec.reference.gdn_native_step`) carries the state through
+every window token. The same window can be solved from the checkpoint ``S0`` alone. With
+cumulative log decays ``G_t = g_1 + ... + g_t`` (so ``d_t = exp(g_t)``) and normalised keys
+and queries, unrolling ``S_t = d_t S_{t-1} + k̂_t u_t^T`` gives
+
+* ``u_t = beta_t (v_t - exp(G_t) S0^T k̂_t - sum_{j<t} exp(G_t - G_j) (k̂_j . k̂_t) u_j)``: the
+  corrections solve the unit lower-triangular ``W x W`` system ``(I + A) U = diag(beta) (V -
+  diag(exp(G)) K S0)`` with ``A_tj = beta_t exp(G_t - G_j) (k̂_t . k̂_j)`` for ``j < t``,
+  solved here by forward substitution;
+* ``o_t = exp(G_t) S0^T q̂_t + sum_{j<=t} exp(G_t - G_j) (k̂_j . q̂_t) u_j``.
+
+The state enters only through ``K S0`` and ``Q S0`` (one ``[2W, K] x [K, V]`` product per value
+head). Decays are always ``exp`` of a *difference* of cumulative log decays (at most 1 in the
+causal region), never ``exp(G_t) * exp(-G_j)``, which overflows to ``0 * inf`` on strongly gated
+windows (a bug FlashInfer fixed in its WY verify: ``../shared/research/verify_kernels.md``
+section 2.3). The result is mathematically the token loop's, not bit-identical to it (other
+roundings); its replay record ``(u, k̂, d)`` has the token loop's layout, so commit replays it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import GDNNativeResult, _compute_dtype, _expand_heads, l2norm
+
+__all__ = ["gdn_closed_form_step"]
+
+
+def gdn_closed_form_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    dtype: torch.dtype | None = None,
+) -> GDNNativeResult:
+    """Solve one window of ``T`` tokens in closed form from ``initial_state`` (module docstring).
+
+    Args:
+        q, k: ``[T, H, K]``; v: ``[T, HV, V]``; g (log decay, ``<= 0``) and beta: ``[T, HV]``;
+            any float dtype, any strides; ``HV % H == 0``.
+        initial_state: ``[HV, K, V]``, the checkpoint (read once).
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm: normalise q and k (``x / sqrt(sum(x*x) + 1e-6)``).
+        dtype: compute dtype; default float64 if any input is float64, else float32.
+
+    Returns:
+        :class:`~ssm_spec.reference.GDNNativeResult` with ``out [T, HV, V]``, the replay record
+        ``u [T, HV, V]``, ``khat [T, H, K]``, ``decay [T, HV]`` and ``states [1, HV, K, V]``, the
+        state after the window rebuilt as ``exp(G_T) S0 + sum_j exp(G_T - G_j) k̂_j u_j^T``
+        (empty for ``T = 0``).
+
+    Raises:
+        ValueError: on inconsistent shapes.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV):
+        raise ValueError(f"gdn_closed_form_step: inconsistent shapes q={tuple(q.shape)} k={tuple(k.shape)} "
+                         f"v={tuple(v.shape)} g={tuple(g.shape)} beta={tuple(beta.shape)}")
+    if initial_state.shape != (HV, K, V) or HV % H != 0:
+        raise ValueError(f"gdn_closed_form_step: initial_state must be [HV={HV}, K={K}, V={V}] with "
+                         f"HV % H == 0, got {tuple(initial_state.shape)} and H={H}")
+    cd = _compute_dtype(q, k, v, g, beta, initial_state, dtype=dtype)
+    scale = K**-0.5 if scale is None else scale
+    qf, kf, vf, gf, bf = (x.to(cd) for x in (q, k, v, g, beta))
+    khat = l2norm(kf) if use_qk_l2norm else kf
+    qhat = (l2norm(qf) if use_qk_l2norm else qf) * scale
+    s0 = initial_state.to(cd)
+    if T == 0:
+        empty = vf.new_empty((0, HV, V))
+        return GDNNativeResult(empty, s0.new_empty((0, HV, K, V)), empty, khat, torch.exp(gf))
+    kh = _expand_heads(khat, HV).transpose(0, 1)  # [HV, T, K]
+    qh = _expand_heads(qhat, HV).transpose(0, 1)
+    G = torch.cumsum(gf, 0).transpose(0, 1)  # [HV, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=G.device).tril()
+    # exp(G_t - G_j) on and below the diagonal only (a difference, <= 1 there; zero above)
+    ratio = torch.where(causal, torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~causal, 0)), 0)
+    ks0 = kh @ s0  # [HV, T, V]: the state read once, against the stacked keys ...
+    qs0 = qh @ s0  # ... and queries
+    rhs = bf.transpose(0, 1)[:, :, None] * (vf.transpose(0, 1) - torch.exp(G)[:, :, None] * ks0)
+    a = bf.transpose(0, 1)[:, :, None] * ratio * (kh @ kh.transpose(1, 2))  # [HV, T, T], used below the diagonal
+    u = torch.empty_like(rhs)
+    for t in range(T):  # forward substitution of (I + A) U = rhs
+        u[:, t] = rhs[:, t] - (a[:, t, :t, None] * u[:, :t]).sum(1)
+    out = torch.exp(G)[:, :, None] * qs0 + (ratio * (qh @ kh.transpose(1, 2))) @ u
+    last = ratio[:, -1, :, None, None] * kh[:, :, :, None] * u[:, :, None, :]  # [HV, T, K, V]
+    final = torch.exp(G[:, -1])[:, None, None] * s0 + last.sum(1)
+    return GDNNativeResult(out=out.transpose(0, 1), states=final[None], u=u.transpose(0, 1), khat=khat,
+                           decay=torch.exp(gf))
