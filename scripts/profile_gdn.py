@@ -1,7 +1,7 @@
 """Launch one GDN kernel a few times on the benchmark's workload, for ``ncu`` to read.
 
 ``bench_ops.py`` times the ops; this runs a chosen one (``--kernel verify|commit|snapshot|
-folded|native_engine``) at one batch, window and state dtype, with an optional window tile,
+folded|native_engine``) at one batch, window and state dtype, with an optional tile,
 so that Nsight Compute can read its hardware counters (issue, FMA pipe, memory throughput,
 occupancy, stall reasons, registers, local-memory traffic)::
 

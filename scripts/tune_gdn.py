@@ -62,7 +62,7 @@ def inputs(shape: Shape, B: int, device, seed=0):
 
 def identical(shape: Shape, config, device) -> tuple[bool, dict, dict]:
     """Whether commit (every n in 0..W) lands on the snapshot's state after n tokens bit for bit,
-    the snapshot on window tile ``config`` and commit both on ``config`` and on the shipped
+    the snapshot on tile ``config`` and commit both on ``config`` and on the shipped
     commit tile (the pair the ops run); verify's errors relative to the CPU twin (float32,
     the reference expressions): the fp32 records ``u`` and ``k̂`` (these see an error of a few
     ulp) and the output (in the activation dtype: bf16 rounding on CUDA); and the tensors

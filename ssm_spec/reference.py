@@ -83,6 +83,30 @@ def gdn_replay_update(state, khat, u, decay):
     return gdn_replay_update_from_decayed(state * decay[:, None, None], khat, u)
 
 
+def gdn_window_inputs(name, q, k, v, g, beta, initial_state, scale, use_qk_l2norm, dtype):
+    """Check one window's shapes and bring its inputs to the compute dtype: ``(cd, k̂ [T, H, K],
+    q̂ * scale [T, H, K], v, g, beta, initial_state)`` (shared by :func:`gdn_native_step` and the
+    closed-form oracle).
+
+    Raises:
+        ValueError: naming ``name``, on inconsistent shapes or ``HV % H != 0``.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[-2:]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV):
+        raise ValueError(f"{name}: inconsistent shapes q={tuple(q.shape)} k={tuple(k.shape)} "
+                         f"v={tuple(v.shape)} g={tuple(g.shape)} beta={tuple(beta.shape)}")
+    if initial_state.shape != (HV, K, V) or HV % H != 0:
+        raise ValueError(f"{name}: initial_state must be [HV={HV}, K={K}, V={V}] with HV % H == 0, "
+                         f"got {tuple(initial_state.shape)} and H={H}")
+    cd = _compute_dtype(q, k, v, g, beta, initial_state, dtype=dtype)
+    scale = K**-0.5 if scale is None else scale
+    qf, kf, vf, gf, bf = (x.to(cd) for x in (q, k, v, g, beta))
+    khat = l2norm(kf) if use_qk_l2norm else kf
+    qhat = (l2norm(qf) if use_qk_l2norm else qf) * scale
+    return cd, khat, qhat, vf, gf, bf, initial_state.to(cd)
+
+
 class GDNNativeResult(NamedTuple):
     """Result of :func:`gdn_native_step`, all in the compute dtype.
 
@@ -128,29 +152,10 @@ def gdn_native_step(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV):
-        raise ValueError(
-            f"gdn_native_step: inconsistent shapes q={tuple(q.shape)} k={tuple(k.shape)} "
-            f"v={tuple(v.shape)} g={tuple(g.shape)} beta={tuple(beta.shape)}"
-        )
-    if initial_state.shape != (HV, K, V) or HV % H != 0:
-        raise ValueError(
-            f"gdn_native_step: initial_state must be [HV={HV}, K={K}, V={V}] with HV % H == 0, "
-            f"got {tuple(initial_state.shape)} and H={H}"
-        )
-    cd = _compute_dtype(q, k, v, g, beta, initial_state, dtype=dtype)
-    scale = K**-0.5 if scale is None else scale
-    qf, kf, vf, gf, bf = (x.to(cd) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        khat = l2norm(kf)
-        qhat = l2norm(qf) * scale
-    else:
-        khat = kf
-        qhat = qf * scale
+    T, HV, K, V = q.shape[0], v.shape[-2], q.shape[-1], v.shape[-1]
+    cd, khat, qhat, vf, gf, bf, s = gdn_window_inputs("gdn_native_step", q, k, v, g, beta, initial_state, scale,
+                                                      use_qk_l2norm, dtype)
     decay = torch.exp(gf)
-    s = initial_state.to(cd)
     outs, states, us = [], [], []
     for t in range(T):
         s, u, o = gdn_token_update(

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import GDNNativeResult, _compute_dtype, _expand_heads, l2norm
+from .reference import GDNNativeResult, _expand_heads, gdn_window_inputs
 
 __all__ = ["gdn_closed_form_step"]
 
@@ -58,20 +58,9 @@ def gdn_closed_form_step(
     Raises:
         ValueError: on inconsistent shapes.
     """
-    T, H, K = q.shape
-    HV, V = v.shape[-2:]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV):
-        raise ValueError(f"gdn_closed_form_step: inconsistent shapes q={tuple(q.shape)} k={tuple(k.shape)} "
-                         f"v={tuple(v.shape)} g={tuple(g.shape)} beta={tuple(beta.shape)}")
-    if initial_state.shape != (HV, K, V) or HV % H != 0:
-        raise ValueError(f"gdn_closed_form_step: initial_state must be [HV={HV}, K={K}, V={V}] with "
-                         f"HV % H == 0, got {tuple(initial_state.shape)} and H={H}")
-    cd = _compute_dtype(q, k, v, g, beta, initial_state, dtype=dtype)
-    scale = K**-0.5 if scale is None else scale
-    qf, kf, vf, gf, bf = (x.to(cd) for x in (q, k, v, g, beta))
-    khat = l2norm(kf) if use_qk_l2norm else kf
-    qhat = (l2norm(qf) if use_qk_l2norm else qf) * scale
-    s0 = initial_state.to(cd)
+    T, HV, K, V = q.shape[0], v.shape[-2], q.shape[-1], v.shape[-1]
+    cd, khat, qhat, vf, gf, bf, s0 = gdn_window_inputs("gdn_closed_form_step", q, k, v, g, beta, initial_state,
+                                                       scale, use_qk_l2norm, dtype)
     if T == 0:
         empty = vf.new_empty((0, HV, V))
         return GDNNativeResult(empty, s0.new_empty((0, HV, K, V)), empty, khat, torch.exp(gf))

@@ -43,7 +43,7 @@ def _steps(device, dtype, lengths, srcs, counts, seed=0, widths=(HV, H, K, V)):
 def test_folded_equals_commit_then_verify_bit_for_bit(device, dtype, trial, widths):
     """Every count 0..W, a padding row, ragged windows; a bf16 pool rounds the folded state
     exactly as the separate path's store and reload. At Qwen3-Next widths the CUDA kernels run
-    their measured tiles (the fold on the window tile, the separate commit on its own)."""
+    their measured tiles (the fold on the verify table's tile, the separate commit on its own)."""
     lengths, srcs = [W, 2, 0, W, 3], [3, 0, -1, 7, 5]
     counts = [min(trial, n) for n in lengths]
     counts[1] = (trial + 1) % 3

@@ -64,7 +64,7 @@ def draft_length(generation_config, kwargs) -> int:
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
                      cuda_graphs: bool | None = None) -> nn.Module:
-    """Convert a Qwen3-Next or Qwen3.5 model in place and return it.
+    """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
     :class:`~ssm_spec.hf.adapter.RecoverGDNAdapter` (a :class:`~ssm_spec.RecoverGatedDeltaNet`
@@ -78,8 +78,11 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     (when given).
 
     Args:
-        model: a ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM`` (or any module tree holding
-            their GatedDeltaNet layers as ``linear_attn``), on any device and dtype.
+        model: a ``Qwen3NextForCausalLM`` (dense or expert MLPs), ``Qwen3_5ForCausalLM``,
+            ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` (text prompts; its
+            vision tower is left alone and ``generate`` refuses image and video inputs), or any
+            module tree holding their GatedDeltaNet layers as ``linear_attn``, on any device
+            and dtype. The expert layers run through transformers' own implementation.
         state_dtype: recurrent state dtype of the caches it creates: ``torch.float32`` (the
             default) or ``torch.bfloat16``.
         cuda_graphs: ``True``: ``generate`` on unpadded rows uses a cache with static
@@ -114,6 +117,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             model._recoverssm["state_dtype"] = state_dtype
         if cuda_graphs is not None:
             model._recoverssm["cuda_graphs"] = bool(cuda_graphs)
+            capture_safe_experts(model, bool(cuda_graphs))
             if not cuda_graphs:
                 model._recoverssm.setdefault("graph_cache", _KeptCache()).cache = None
         return model
@@ -128,10 +132,43 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
     model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model),
                          "cuda_graphs": bool(cuda_graphs), "graph_cache": _KeptCache()}
+    capture_safe_experts(model, bool(cuda_graphs))
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
     _bind(model, "generate", _generate)
     _bind(model, "forward", _forward)
     return model
+
+
+#: The expert implementation ``cuda_graphs=True`` selects: transformers' ``batched_mm`` gathers
+#: each token's top-k experts' weights by index and multiplies them in one batched product, so
+#: routing stays on the device with shapes fixed by the token count (no ``nonzero``, no host
+#: sync), where the default ``eager`` loops over the experts that received tokens and
+#: ``grouped_mm`` sizes its groups from the routing.
+CAPTURE_SAFE_EXPERTS = "batched_mm"
+
+
+def capture_safe_experts(model: nn.Module, on: bool) -> None:
+    """Switch a converted model's mixture-of-experts layers to :data:`CAPTURE_SAFE_EXPERTS` when
+    CUDA graphs are turned on, and back to the model's own setting when they are turned off.
+
+    Uses transformers' experts-implementation switch (``set_experts_implementation``, present
+    in 5.17 and later); models without expert layers, or a transformers without the switch,
+    are left as they are. The original setting is kept in ``model._recoverssm``.
+    """
+    if not hasattr(model, "set_experts_implementation") or not any(
+            type(m).__name__.endswith("Experts") for m in model.modules()):
+        return
+    state = model._recoverssm
+    if on and "experts_implementation" not in state:
+        state["experts_implementation"] = model.get_experts_implementation()
+        model.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
+    elif not on and "experts_implementation" in state:
+        model.set_experts_implementation(state.pop("experts_implementation"))
+
+
+#: ``generate`` inputs of the vision-language classes (``Qwen3_5ForConditionalGeneration``) that a
+#: converted model refuses: only text prompts are tested through its cache.
+MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
 
 
 def _generate(self, *args, **kwargs):
@@ -141,6 +178,10 @@ def _generate(self, *args, **kwargs):
     named = inspect.signature(original).bind_partial(self, *args, **kwargs).arguments
     named = {**named, **named.get("kwargs", {})}
     gen_config = named.get("generation_config") or self.generation_config
+    media = [name for name in MEDIA_INPUTS if named.get(name) is not None]
+    if media:
+        raise ValueError(f"generate: {', '.join(media)}: a converted model takes text prompts only (its GDN cache "
+                         "does not track image or video tokens); call generate on the unconverted model for those")
     assistant = named.get("assistant_model")
     if assistant is not None and getattr(assistant, "_is_stateful", False):
         raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "

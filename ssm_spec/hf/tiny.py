@@ -1,4 +1,5 @@
-"""Small Qwen3-Next / Qwen3.5 causal LMs with random weights, and a byte-level tokenizer.
+"""Small Qwen3-Next / Qwen3.5 models of every published class with random weights, and a
+byte-level tokenizer.
 
 They let the main job, the examples and the tests run offline on a fresh machine: nothing is
 downloaded. The configs keep every structural feature of the real models (GDN layers with
@@ -34,20 +35,37 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 
+#: The model classes :func:`tiny_model` builds, by ``kind``: the published Qwen3-Next (dense
+#: MLPs, or expert layers in every layer as the released checkpoints have) and Qwen3.5 (dense,
+#: mixture of experts, and the vision-language class whose text model has the GDN layers).
+KINDS = {
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_next_moe": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+}
+
+
 def tiny_config(kind: str = "qwen3_next", *, hidden_size: int = 64, num_layers: int = 4,
                 linear_num_key_heads: int = 2, linear_num_value_heads: int = 4, linear_head_dim: int = 16,
-                **overrides):
-    """A small Qwen3-Next (``kind="qwen3_next"``) or Qwen3.5 (``"qwen3_5"``) text config.
+                num_experts: int = 4, **overrides):
+    """A small config of one of :data:`KINDS`.
 
-    Layer types repeat (linear, linear, linear, full) as in the released models; the MLPs are
-    dense (``mlp_only_layers`` covers every Qwen3-Next layer) so the model stays small. The
-    vocabulary is the byte tokenizer's. ``overrides`` go to the config unchanged.
+    Layer types repeat (linear, linear, linear, full) as in the released models. ``qwen3_next``
+    keeps dense MLPs (``mlp_only_layers`` covers every layer) so the model stays small;
+    ``qwen3_next_moe`` and ``qwen3_5_moe`` have expert layers everywhere (``num_experts``, top-2,
+    a shared expert), as published; ``qwen3_5_vl`` is a ``Qwen3_5Config`` whose ``text_config``
+    is the ``qwen3_5`` one, with a one-block vision tower. The vocabulary is the byte
+    tokenizer's. ``overrides`` go to the (text) config unchanged.
 
     Raises:
         ValueError: an unknown ``kind``.
     """
     import transformers
 
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {sorted(KINDS)}, got {kind!r}")
     layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
     common = dict(vocab_size=ByteTokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -56,16 +74,24 @@ def tiny_config(kind: str = "qwen3_next", *, hidden_size: int = 64, num_layers: 
                   linear_conv_kernel_dim=4, layer_types=layer_types, max_position_embeddings=4096,
                   eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID, bos_token_id=None,
                   tie_word_embeddings=False)
-    if kind == "qwen3_next":
-        cfg = transformers.Qwen3NextConfig(**common, mlp_only_layers=list(range(num_layers)), num_experts=4,
-                                           num_experts_per_tok=2, moe_intermediate_size=hidden_size,
-                                           shared_expert_intermediate_size=hidden_size)
-    elif kind == "qwen3_5":
-        cfg = transformers.Qwen3_5TextConfig(**common)
+    experts = dict(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                   shared_expert_intermediate_size=hidden_size)
+    if kind.startswith("qwen3_next"):
+        dense = list(range(num_layers)) if kind == "qwen3_next" else []
+        cfg = transformers.Qwen3NextConfig(**common, mlp_only_layers=dense, **experts)
+    elif kind == "qwen3_5_moe":
+        cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"},
+                                                **experts)
     else:
-        raise ValueError(f"kind: expected 'qwen3_next' or 'qwen3_5', got {kind!r}")
+        cfg = transformers.Qwen3_5TextConfig(**common)
     for key, value in overrides.items():
         setattr(cfg, key, value)
+    if kind == "qwen3_5_vl":
+        text = cfg.to_dict()
+        for key in ("architectures", "model_type", "transformers_version"):
+            text.pop(key, None)
+        vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=hidden_size)
+        cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     return cfg
 
 
@@ -83,12 +109,16 @@ def tiny_model(kind: str = "qwen3_next", seed: int = 0, dtype: torch.dtype = tor
     ``max_new_tokens``). ``A_log ~ U(-2, 0.5)`` and ``dt_bias ~ N(0, 0.5)`` give a mix of slow
     and fast decays.
 
-    Returns ``Qwen3NextForCausalLM`` or ``Qwen3_5ForCausalLM``.
+    Returns the class :data:`KINDS` names for ``kind`` (``Qwen3NextForCausalLM``,
+    ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5ForConditionalGeneration``).
+
+    Raises:
+        ValueError: an unknown ``kind``.
     """
     import transformers
 
     cfg = tiny_config(kind, **config_kwargs)
-    cls = transformers.Qwen3NextForCausalLM if kind == "qwen3_next" else transformers.Qwen3_5ForCausalLM
+    cls = getattr(transformers, KINDS[kind])
     gen = torch.Generator().manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

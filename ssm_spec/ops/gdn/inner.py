@@ -30,7 +30,7 @@ import triton.language as tl
 
 #: Epsilon of the q/k L2 normalisation (DESIGN.md section 2).
 L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
-#: Halving steps :func:`_pairwise_rows` unrolls (enough for ``BK`` up to 2**12).
+#: Halving steps :func:`kdot`'s fold unrolls (enough for ``BK`` up to 2**12).
 LOG2_MAX_BK: tl.constexpr = tl.constexpr(12)
 
 
@@ -72,8 +72,9 @@ def kdot(x, k, USE_PTX: tl.constexpr):
     """``sum_i x[i] * k[i]`` over the key axis (axis 0) of ``x`` (``[BK]`` or ``[BK, BV]``,
     ``BK`` a power of two >= 2) in an order written here, not chosen by Triton's layouts:
 
-    * the key axis is cut into ``G = min(8, BK)`` blocks by the top bits of the row index
-      (block ``j`` holds rows ``[j*BK/G, (j+1)*BK/G)``) and they are chained, row by row:
+    * the key axis is cut into ``G`` blocks by the top bits of the row index (``G = 8`` for
+      ``BK >= 8``, else 2; block ``j`` holds rows ``[j*BK/G, (j+1)*BK/G)``) and they are
+      chained, row by row:
       ``a = x_0*k_0`` (``mul.rn``, never contracted), then ``a = fma(x_j, k_j, a)`` for
       ``j = 1..G-1``;
     * the ``BK/G`` rows of ``a`` are then folded in halves, ``a[i] + a[i + N/2]``, until one row
@@ -136,8 +137,8 @@ def l2_normalize(x, USE_PTX: tl.constexpr):
     is ``rsqrt.approx.ftz.f32`` (2 ulp), so ``k̂`` and ``q̂`` land within about 3 ulp of the
     quotient (the Triton interpreter computes an IEEE ``1/sqrt``). 17 % off verify's time on the
     H200 (B=64, k=3, fp32 state: 103.4 -> 85.7 us, a variant sweep of ``scripts/tune_gdn.py`` at
-    commit 6d03fc8; docs/perf-notes.md). Bit identity is unaffected: ``k̂`` is computed once per
-    token in the one binary verify and the snapshot share, recorded, and replayed by commit;
+    commit 6d03fc8; docs/perf-notes.md). Bit identity is unaffected: ``k̂`` has the same bits in
+    verify, the snapshot and the fold (the same code), is recorded, and replayed by commit;
     ``q̂`` only reaches the output.
     """
     return x * tl.rsqrt(kdot(x, x, USE_PTX) + L2NORM_EPS)

@@ -1,0 +1,92 @@
+"""Every published Qwen3-Next / Qwen3.5 model class through ``apply_recoverssm`` (CPU, fp32):
+Qwen3-Next with dense and with expert MLPs, Qwen3.5, Qwen3.5-MoE and the vision-language
+Qwen3.5 (text prompts). Prompt lookup and an assistant give plain greedy's tokens; a saved
+checkpoint loads through ``AutoModelForCausalLM`` and the CLI; image inputs are refused."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ssm_spec.hf import apply_recoverssm  # noqa: E402
+from ssm_spec.hf.tiny import KINDS, tiny_model  # noqa: E402
+from tests.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
+
+PROMPT = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
+NEW = 16
+NEW_KINDS = ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl"]  # the dense ones: tests/test_hf_generate.py
+
+
+def test_kinds_cover_every_published_class():
+    assert set(KINDS.values()) == {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                   "Qwen3_5ForConditionalGeneration"}
+    with pytest.raises(ValueError, match="kind"):
+        tiny_model("qwen4")
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_every_class_generates_plain_greedys_tokens(kind):
+    model = tiny_model(kind, seed=1)
+    assert type(model).__name__ == KINDS[kind]
+    if kind.endswith("moe"):
+        assert any("experts" in name for name, _ in model.named_modules()), "expert layers must be on"
+    want = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    converted = apply_recoverssm(copy.deepcopy(model))
+    calls = [{}, {"prompt_lookup_num_tokens": 3}]
+    if kind == "qwen3_next_moe":  # an assistant of the same class (the cheapest of the three)
+        calls.append({"assistant_model": apply_recoverssm(tiny_model(kind, seed=2))})
+    for kwargs in calls:
+        got = converted.generate(PROMPT, max_new_tokens=NEW, do_sample=False, **kwargs)
+        assert torch.equal(got, want), (kind, list(kwargs))
+
+
+def test_vision_language_class_refuses_image_inputs_and_keeps_the_tower():
+    model = tiny_model("qwen3_5_vl", seed=1)
+    tower = {name: p.clone() for name, p in model.named_parameters() if "visual" in name}
+    assert tower, "the vision tower is part of the model"
+    converted = apply_recoverssm(model)
+    with pytest.raises(ValueError, match="text prompts only"):
+        converted.generate(PROMPT, max_new_tokens=2, pixel_values=torch.zeros(4, 8))
+    assert all(torch.equal(p, tower[name]) for name, p in converted.named_parameters() if "visual" in name)
+    assert not any("linear_attn" in name and "visual" in name for name, _ in converted.named_modules())
+
+
+@pytest.mark.parametrize("kind", NEW_KINDS)
+def test_saved_checkpoint_loads_through_auto_and_the_cli(kind, tmp_path):
+    """``AutoModelForCausalLM`` on a saved checkpoint of each class (the vision-language one loads
+    as its text model, ``Qwen3_5ForCausalLM``) converts and matches greedy; the CLI's ``--model``
+    runs one of them end to end (``--check``)."""
+    model = tiny_model(kind, seed=4)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True,
+                                                               dtype=torch.float32).eval()
+    want = loaded.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    got = apply_recoverssm(loaded).generate(PROMPT, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    if kind == "qwen3_5_vl":
+        proc = _run("--model", tmp_path, "--max-new-tokens", 16, "--check", "--warmup", 0, "--device", "cpu")
+        _assert_ok_and_equal(proc)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe"])
+def test_cuda_graphs_switch_experts_to_batched_mm_and_back(kind):
+    """``cuda_graphs=True`` runs the expert layers through transformers' ``batched_mm`` (routing
+    on the device, shapes fixed by the token count: capture-safe); turning graphs off restores
+    the model's own setting; tokens stay plain greedy's (the graphed path runs eagerly on CPU)."""
+    from ssm_spec.hf.apply import CAPTURE_SAFE_EXPERTS
+
+    model = tiny_model(kind, seed=1)
+    own = model.get_experts_implementation()
+    reference = copy.deepcopy(model)
+    reference.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
+    want = reference.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
+    converted = apply_recoverssm(model, cuda_graphs=True)
+    assert set(converted.get_experts_implementation().values()) == {CAPTURE_SAFE_EXPERTS}
+    got = converted.generate(PROMPT, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(got, want)
+    apply_recoverssm(converted, cuda_graphs=False)
+    assert converted.get_experts_implementation() == own
+    dense = apply_recoverssm(tiny_model("qwen3_5"), cuda_graphs=True)  # no expert layer: untouched
+    assert "experts_implementation" not in dense._recoverssm
