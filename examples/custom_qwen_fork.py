@@ -1,7 +1,7 @@
 """A small Hugging Face-style decoder written from scratch around ssm-spec's modules.
 
 Layers: a Qwen3-Next GDN layer, a dilated PLE short conv, an attention layer over a static
-per-row KV buffer (harness, not library: DESIGN.md section 8), and an MLP, with random
+per-row KV buffer (harness, not library: docs/design.md section 8), and an MLP, with random
 weights. It decodes greedily twice: token by token, and speculatively (k random-ish drafts
 per step, verified in one window, greedy acceptance, one commit for all layers), and checks
 that both give the same tokens.

@@ -1,5 +1,5 @@
 """Capture of a whole spec-decode step in one CUDA graph, and its ``torch.compile`` form
-(DESIGN.md section 6).
+(docs/design.md section 6).
 
 * :class:`SpecDecodeGraphRunner`: one CUDA graph per batch-size bucket holding verify for
   every layer, on-device acceptance and the grouped commit; static buffers, padding rows,

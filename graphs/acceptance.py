@@ -5,7 +5,7 @@ A row's window is ``W`` tokens: the last accepted token ``x_0``, then drafts ``x
 (``k = W - 1``); only the first ``window_lens[b]`` are real (0: a padding row). The target's
 logits at window position ``i`` predict the token after ``x_i``. A row accepts the longest
 prefix of drafts that passes, then adds one token of its own (the bonus): the target's choice
-after the last accepted token. Outputs (DESIGN.md section 6):
+after the last accepted token. Outputs (docs/design.md section 6):
 
 * ``accepted_tokens [B, W]`` int64: the ``a`` accepted drafts, then the bonus token, then
   ``pad_token``;

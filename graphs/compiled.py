@@ -1,4 +1,4 @@
-"""The ``torch.compile`` path of the uniform spec-decode step (DESIGN.md section 6).
+"""The ``torch.compile`` path of the uniform spec-decode step (docs/design.md section 6).
 
 :func:`compile_step` binds :func:`graphs.step.spec_decode_step` to a model and its pool and
 compiles it whole (``fullgraph=True``: no graph break). The pool's states and records and the

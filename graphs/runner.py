@@ -1,5 +1,5 @@
 """``SpecDecodeGraphRunner``: the uniform spec-decode step captured as one CUDA graph per
-batch-size bucket (DESIGN.md section 6).
+batch-size bucket (docs/design.md section 6).
 
 Per bucket one graph holds the model's verify forward for every layer, on-device acceptance
 and the grouped commit. Inputs live in static buffers sized for the largest bucket; a call

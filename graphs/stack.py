@@ -1,5 +1,5 @@
 """A Qwen3-Next-shaped decoder stack that the captured step, its tests, the example and the
-step benchmark run (harness, not library: attention and MLPs are DESIGN.md section 8's
+step benchmark run (harness, not library: attention and MLPs are docs/design.md section 8's
 "not in this library").
 
 Layers repeat (GDN, GDN, GDN, attention) as in the released Qwen3-Next models; every layer

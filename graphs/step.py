@@ -3,7 +3,7 @@
 :func:`spec_decode_step` is the body that :class:`graphs.SpecDecodeGraphRunner` captures per
 batch-size bucket and that :func:`graphs.compile_step` hands to ``torch.compile``. It reads
 no value back to the host and allocates nothing whose size depends on data, so one CUDA
-graph holds all of it (DESIGN.md section 6).
+graph holds all of it (docs/design.md section 6).
 """
 
 from __future__ import annotations

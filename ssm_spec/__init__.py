@@ -2,7 +2,7 @@
 
 Verify runs a draft window from a read-only checkpoint and records a small fp32 replay record
 per token; commit, once the accepted count is known, replays only the accepted tokens and
-writes the state once. See DESIGN.md for the contract.
+writes the state once. See docs/design.md for the design.
 """
 
 from . import ops, reference

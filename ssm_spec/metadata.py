@@ -1,7 +1,7 @@
 """``RecoverSSMMetadata``: the per-step metadata every layer and the commit share.
 
 Built once per step from host-side scheduling data, validated once, then moved to the device;
-nothing in the step reads it back on the host (DESIGN.md section 5). Prefill rows keep a small
+nothing in the step reads it back on the host (docs/design.md section 5.4). Prefill rows keep a small
 host-side plan (token range, initial and final slots, boundary slots) because the chunked
 prefill runs eagerly per step.
 """

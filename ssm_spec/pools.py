@@ -1,8 +1,8 @@
 """``StatePool``: every layer's recurrent and conv states, and the replay record buffers.
 
 States are stacked per shape group with a leading layer dim, so one grouped commit launch
-covers every GDN layer of a group and one covers every conv layer of a shape (DESIGN.md
-section 5). The record buffers ``[NL, max_tokens, ...]`` live outside the state pages: a
+covers every GDN layer of a group and one covers every conv layer of a shape (docs/design.md
+section 5.3). The record buffers ``[NL, max_tokens, ...]`` live outside the state pages: a
 record lives only from a step's verify to its commit.
 """
 

@@ -1,6 +1,6 @@
 """Token-by-token ("native") reference implementations: the oracles.
 
-Plain PyTorch, one token at a time, float64-capable. Every formula is DESIGN.md section 2.
+Plain PyTorch, one token at a time, float64-capable. Every formula is docs/design.md section 2.
 The CPU kernels of the ops (``ssm_spec/ops/*``) are built from the per-token helpers below
 (:func:`gdn_token_update`, :func:`gdn_replay_update`, :func:`short_conv_token`), so on the CPU
 the reference and the ops evaluate the same expressions on tensors of the same shapes, which
@@ -25,7 +25,7 @@ __all__ = [
     "L2NORM_EPS",
 ]
 
-#: epsilon inside the square root of the q/k L2 normalisation (DESIGN.md section 2; the value
+#: epsilon inside the square root of the q/k L2 normalisation (docs/design.md section 2.1; the value
 #: fla-core's ``l2norm`` and Hugging Face's Qwen3-Next ``l2norm`` use).
 L2NORM_EPS = 1e-6
 
@@ -133,7 +133,7 @@ def gdn_native_step(
     dtype: torch.dtype | None = None,
     keep_states: bool = True,
 ) -> GDNNativeResult:
-    """Run the gated delta rule token by token over one sequence (DESIGN.md section 2).
+    """Run the gated delta rule token by token over one sequence (docs/design.md section 2.1).
 
     Args:
         q, k: ``[T, H, K]``; v: ``[T, HV, V]``; g (log decay, ``<= 0``) and beta: ``[T, HV]``;
@@ -214,7 +214,7 @@ def short_conv_native_step(
 ) -> ShortConvNativeResult:
     """Run the (dilated) causal short conv token by token over one sequence.
 
-    ``y_t[c] = act(bias[c] + sum_j w[c, j] * x_{t-(ks-1-j)*D}[c])`` (DESIGN.md section 2;
+    ``y_t[c] = act(bias[c] + sum_j w[c, j] * x_{t-(ks-1-j)*D}[c])`` (docs/design.md section 2.2;
     PyTorch's ``conv1d`` convention with left padding); inputs before the window come from
     ``conv_state``, which holds the last ``Lc = (ks - 1) * D`` inputs, oldest first.
 

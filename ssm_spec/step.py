@@ -2,7 +2,7 @@
 
 The plan (source, destination and boundary slots per row) is computed on the device from the
 step's metadata and the accepted counts, so no host sync sits between sampling and commit
-(DESIGN.md section 5).
+(docs/design.md section 5.5).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def plan_commit(metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor)
     """``(src, dst, boundary_indices, boundary_offsets)`` int32 device tensors for the commit.
 
     Without align mode every verify row commits in place (``dst = src``) with no boundaries.
-    In align mode (DESIGN.md section 5) the final state goes to the block of the last
+    In align mode (docs/design.md section 5.8) the final state goes to the block of the last
     accepted token, column ``(num_computed + n - 1) // block_size``, and every boundary
     ``p`` crossed (``1 <= (p + 1) * block_size - num_computed <= n``) gets its state; a column
     past the table is skipped (validation rejected it when the metadata was built).

@@ -1,5 +1,5 @@
 """graphs/: the uniform spec-decode step, its CUDA-graph runner and its compiled form
-(DESIGN.md section 6). CPU variants run the runner eagerly on its static buffers; the CUDA
+(docs/design.md section 6). CPU variants run the runner eagerly on its static buffers; the CUDA
 variants capture and replay (IEEE fp32 dots: conftest and gpu_check.sh)."""
 
 from __future__ import annotations

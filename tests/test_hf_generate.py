@@ -1,4 +1,4 @@
-"""Hugging Face generate on converted Qwen3-Next / Qwen3.5 models (DESIGN.md section 7).
+"""Hugging Face generate on converted Qwen3-Next / Qwen3.5 models (docs/design.md section 7).
 
 Every speculative run is compared, token for token, with plain greedy ``generate`` on the
 unconverted model (fp32; on CUDA too, where the GPU run executes this file). transformers'

@@ -2,7 +2,7 @@
 
 ``apply_recoverssm(model)`` converts the model in place; ``generate(prompt_lookup_num_tokens=k)``
 and ``generate(assistant_model=draft)`` then run through a :class:`RecoverSSMCache` whose
-linear-attention layers roll back exactly (DESIGN.md section 7). Needs the ``hf`` extra
+linear-attention layers roll back exactly (docs/design.md section 7). Needs the ``hf`` extra
 (transformers).
 """
 

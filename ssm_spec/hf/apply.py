@@ -1,6 +1,6 @@
 """``apply_recoverssm``: convert a Qwen3-Next / Qwen3.5 causal LM in place (in the style of
 Liger-Kernel's ``apply_liger_kernel_to_*``), so that ``generate`` can run assisted decoding and
-prompt lookup on it exactly (DESIGN.md section 7)."""
+prompt lookup on it exactly (docs/design.md section 7)."""
 
 from __future__ import annotations
 

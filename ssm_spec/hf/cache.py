@@ -4,7 +4,7 @@ Attention layers keep transformers' own ``DynamicLayer`` behaviour. The linear-a
 entries are placeholders (:class:`RecoverLinearAttentionLayer`, so transformers' ``is_linear``
 and sequence-length fallbacks keep working); the states of every GDN layer live in one
 :class:`~ssm_spec.hf.rollback.RollbackPool`, driven by the converted layers' forwards and by
-``crop`` (DESIGN.md section 7).
+``crop`` (docs/design.md section 7.2).
 """
 
 from __future__ import annotations

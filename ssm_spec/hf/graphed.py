@@ -3,7 +3,7 @@
 At batch 1 a forward of a 0.5 B model launches ~550 kernels from transformers' Python code and
 ours, and the host takes 10-20 ms to do so while the kernels need ~1.3 ms (docs/perf-notes.md):
 ``generate`` is host-bound, and a speculative round gains only its accepted length. Capture
-removes the host from the step, as engines do (DESIGN.md section 6); this brings it to
+removes the host from the step, as engines do (docs/design.md section 6); this brings it to
 Hugging Face's ``generate`` without changing transformers:
 
 * the cache's attention layers are :class:`~ssm_spec.hf.static_kv.StaticAttentionLayer`

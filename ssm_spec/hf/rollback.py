@@ -3,7 +3,7 @@
 transformers' assisted generation and prompt lookup run a forward over the last token plus
 the drafts, then ``crop`` the cache back by the rejected drafts; an assistant's crops can span
 several forwards, and the first forward carries the prompt and the first drafts at once
-(DESIGN.md section 7). RecoverSSM serves this by holding, for each sequence, a **checkpoint**
+(docs/design.md section 7.3). RecoverSSM serves this by holding, for each sequence, a **checkpoint**
 slot and the replay records of the tokens after it (the pending tokens):
 
 * a forward verifies its tokens from the state after the pending tokens (the checkpoint, or a

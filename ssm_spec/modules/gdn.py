@@ -1,6 +1,6 @@
 """``RecoverGatedDeltaNet``: the Qwen3-Next / Qwen3.5 GDN layer on RecoverSSM ops.
 
-Parameter names and shapes are Hugging Face's (DESIGN.md section 5): Qwen3-Next
+Parameter names and shapes are Hugging Face's (docs/design.md section 5.1): Qwen3-Next
 (``in_proj_qkvz``, ``in_proj_ba``, grouped per key head) and Qwen3.5 (``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), plus ``conv1d``, ``dt_bias``, ``A_log``,
 ``norm`` and ``out_proj``.
@@ -44,7 +44,7 @@ class RecoverGatedDeltaNet(nn.Module):
     """A GDN layer whose decode steps are RecoverSSM verifies (commit with :func:`ssm_spec.commit`).
 
     Forward takes flat hidden states ``[T, hidden]`` of a step (any mix and order of prefill
-    and verify rows, DESIGN.md section 5), its :class:`~ssm_spec.RecoverSSMMetadata` and the
+    and verify rows, docs/design.md section 5.1), its :class:`~ssm_spec.RecoverSSMMetadata` and the
     :class:`~ssm_spec.StatePool`; verify rows read their checkpoint and write replay records,
     prefill rows run the chunked prefill and write their final (and boundary) states.
 
@@ -148,7 +148,7 @@ class RecoverGatedDeltaNet(nn.Module):
         return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
 
     def gates(self, conv_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-        """The GDN inputs from the conv output and the gate projections (DESIGN.md section 2; the
+        """The GDN inputs from the conv output and the gate projections (docs/design.md section 2.2; the
         gating of transformers' Qwen3-Next / Qwen3.5 layers): ``q, k [T, H, K]`` and
         ``v [T, HV, V]`` as views of ``conv_out [T, 2*H*K + HV*V]``, the fp32 log decay
         ``g = -exp(A_log) * softplus(a + dt_bias)`` ``[T, HV]`` and ``beta = sigmoid(b)`` ``[T, HV]``."""

@@ -31,7 +31,7 @@ def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
 
     On CUDA with fla-core installed (and head dims >= 16) this is
     ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (the chunked prefill the library relies
-    on; DESIGN.md section 8); otherwise the reference's per-token expressions, keeping only the
+    on; docs/design.md section 8); otherwise the reference's per-token expressions, keeping only the
     running state.
     """
     # fla's chunked kernels tile K and V with tl.dot, which needs dims of at least 16

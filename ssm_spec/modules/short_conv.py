@@ -78,7 +78,7 @@ class RecoverShortConv(nn.Module):
     Parameters follow ``nn.Conv1d`` (depthwise): ``weight [C, 1, kernel_size]``, ``bias [C]``.
     Its state is the last ``(kernel_size - 1) * dilation`` inputs, held in a
     :class:`~ssm_spec.StatePool`; verify rows read it and record their inputs, the commit
-    compacts it (DESIGN.md sections 1, 2).
+    compacts it (docs/design.md sections 1.4, 2.2).
 
     Args:
         channels: ``C``. kernel_size: taps (>= 1). dilation: ``D`` (>= 1).

@@ -1,4 +1,4 @@
-"""The RecoverSSM ops (DESIGN.md section 4).
+"""The RecoverSSM ops (docs/design.md section 4).
 
 Importing this package registers ``torch.ops.ssm_spec.{gdn_verify, gdn_commit,
 gdn_snapshot_verify, gdn_folded_verify, short_conv_verify, short_conv_commit}`` (CPU: PyTorch kernels; CUDA:

@@ -1,4 +1,4 @@
-"""Host-side validation shared by every op (DESIGN.md section 3, "Validation").
+"""Host-side validation shared by every op (docs/design.md section 3.5, "Validation").
 
 Two levels:
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 NULL_SLOT = -1
-"""Any slot index ``< 0`` means "none" (DESIGN.md section 3)."""
+"""Any slot index ``< 0`` means "none" (docs/design.md section 3.1)."""
 
 INDEX_DTYPE = torch.int32
 

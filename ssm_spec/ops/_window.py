@@ -1,6 +1,6 @@
 """Window and count clamping shared by every kernel (Triton) and CPU twin (Python).
 
-Memory safety (DESIGN.md section 3): whatever the metadata, a window is clamped into
+Memory safety (docs/design.md section 3.4): whatever the metadata, a window is clamped into
 ``[0, T)`` and an accepted count into ``[0, window length]``, so no kernel indexes outside its
 buffers.
 """

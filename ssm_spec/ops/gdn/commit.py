@@ -199,7 +199,7 @@ def _gdn_commit_cpu(
     query_start_loc: torch.Tensor, src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
     dst_indices: torch.Tensor, boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_commit``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.gdn_commit``: docs/design.md section 4.1. CPU kernel; CUDA below."""
     args = (state, rec_u, rec_k, rec_decay, query_start_loc, src_indices, num_accepted_tokens,
             dst_indices, boundary_indices, boundary_offsets)
     check_gdn_commit_structure(*args)
@@ -246,7 +246,7 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
             ``1 <= offset <= n`` (otherwise skipped, not an error). Default: none.
         validate: host-side value checks (``None``: on in eager, off while compiling).
 
-    A bfloat16 pool is replayed in fp32 and rounded once per store (DESIGN.md section 2).
+    A bfloat16 pool is replayed in fp32 and rounded once per store (docs/design.md section 2.5).
 
     Raises:
         ValueError: naming the argument: bad shapes/dtypes/devices, a slot ``>= S``, a count

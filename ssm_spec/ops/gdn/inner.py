@@ -1,7 +1,7 @@
 """The inner update GDN verify, commit, the folded verify and the native snapshot share, and
 their tiles.
 
-Bit identity between commit and the native per-token state (DESIGN.md section 2) holds
+Bit identity between commit and the native per-token state (docs/design.md section 2.3) holds
 because every kernel builds the state with *these* functions: commit replays the records
 verify wrote with the same elementwise update the snapshot applies. The bits of every
 reduction (the correction ``u``, the output, the q/k norms) are fixed by :func:`kdot`, which
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: Epsilon of the q/k L2 normalisation (DESIGN.md section 2).
+#: Epsilon of the q/k L2 normalisation (docs/design.md section 2.1).
 L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
 #: Halving steps :func:`kdot`'s fold unrolls (enough for ``BK`` up to 2**12).
 LOG2_MAX_BK: tl.constexpr = tl.constexpr(12)
@@ -129,9 +129,9 @@ def kdot(x, k, USE_PTX: tl.constexpr):
 
 @triton.jit
 def l2_normalize(x, USE_PTX: tl.constexpr):
-    """``x * rsqrt(sum(x * x) + 1e-6)`` in fp32 for a ``[BK]`` vector (DESIGN.md section 2
-    writes ``x / sqrt(.)``), the sum taken by :func:`kdot` (an order of the code's, so ``k̂``
-    has the same bits in every tile and wherever Triton rematerializes it).
+    """``x * rsqrt(sum(x * x) + 1e-6)`` in fp32 for a ``[BK]`` vector (docs/design.md section
+    2.3; the reference divides, ``x / sqrt(.)``), the sum taken by :func:`kdot` (an order of
+    the code's, so ``k̂`` has the same bits in every tile and wherever Triton rematerializes it).
 
     One multiply per element instead of an IEEE division and square root. On CUDA ``rsqrt``
     is ``rsqrt.approx.ftz.f32`` (2 ulp), so ``k̂`` and ``q̂`` land within about 3 ulp of the

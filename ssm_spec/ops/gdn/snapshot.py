@@ -36,7 +36,7 @@ def _gdn_snapshot_verify_cpu(
     state: torch.Tensor, src_indices: torch.Tensor, query_start_loc: torch.Tensor,
     snapshot_indices: torch.Tensor, out: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_snapshot_verify``: DESIGN.md section 4. CPU kernel."""
+    """``torch.ops.ssm_spec.gdn_snapshot_verify``: docs/design.md section 4.1. CPU kernel."""
     _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
                               snapshot_indices, out)
     gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices, out,

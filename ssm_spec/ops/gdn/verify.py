@@ -43,7 +43,7 @@ from .inner import (
 
 
 class ReplayRecord(NamedTuple):
-    """The fp32 per-token record verify writes and commit replays (DESIGN.md section 1).
+    """The fp32 per-token record verify writes and commit replays (docs/design.md section 1.3).
 
     Attributes:
         u: ``[T, HV, V]`` (or ``[NL, T, HV, V]`` grouped) float32, the correction
@@ -328,7 +328,7 @@ def _gdn_verify_cpu(
     out: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
     scale: float, use_qk_l2norm: bool,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_verify``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.gdn_verify``: docs/design.md section 4.1. CPU kernel; CUDA below."""
     check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                query_start_loc, out, rec_u, rec_k, rec_decay)
     gdn_window_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
@@ -361,7 +361,7 @@ _eager.register("gdn_verify", cpu=_gdn_verify_cpu, cuda=_gdn_verify_cuda)
 
 def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=None,
                use_qk_l2norm=True, validate=None):
-    """Verify a window of tokens per row from a read-only checkpoint (RecoverSSM, DESIGN.md §1-4).
+    """Verify a window of tokens per row from a read-only checkpoint (RecoverSSM, docs/design.md §1-4).
 
     Args:
         q, k: ``[T, H, K]`` float32/bfloat16/float16, any strides (views of the conv output).

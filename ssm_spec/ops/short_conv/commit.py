@@ -163,7 +163,7 @@ def _short_conv_commit_cpu(
     src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor, dst_indices: torch.Tensor,
     boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
 ) -> None:
-    """``torch.ops.ssm_spec.short_conv_commit``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.short_conv_commit``: docs/design.md section 4.1. CPU kernel; CUDA below."""
     args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
             boundary_indices, boundary_offsets)
     check_short_conv_commit_structure(*args)

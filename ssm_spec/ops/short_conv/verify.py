@@ -154,7 +154,7 @@ def _short_conv_verify_cpu(
     state_indices: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
     rec_x: torch.Tensor, dilation: int, activation: str,
 ) -> None:
-    """``torch.ops.ssm_spec.short_conv_verify``: DESIGN.md section 4. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.short_conv_verify``: docs/design.md section 4.1. CPU kernel; CUDA below."""
     args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
             activation)
     check_short_conv_verify_structure(*args)
@@ -188,7 +188,7 @@ def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_lo
 
     ``y_t[c] = act(bias[c] + sum_j weight[c, j] * x_{t-(ks-1-j)*D}[c])`` with inputs before
     the window taken from the row's conv state (the last ``Lc = (ks - 1) * D`` inputs, oldest
-    first); PyTorch's ``conv1d`` convention with left padding (DESIGN.md section 2).
+    first); PyTorch's ``conv1d`` convention with left padding (docs/design.md section 2.2).
 
     Args:
         x: ``[T, C]`` float32/bfloat16/float16, any strides.
