@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ssm_spec import cli
-from ssm_spec.hf.cli_generate import ProgressStreamer
+from ssm_spec.hf import cli_generate
+from ssm_spec.hf.cli_generate import ProgressStreamer, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,6 +108,58 @@ def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
     proc = _run("--model", tmp_path)
     assert proc.returncode == 2
     assert "no usable tokenizer" in proc.stderr and "1000" in proc.stderr
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: the checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli_generate, "load_model", refuse)
+    monkeypatch.setattr(cli_generate, "_load_pretrained", refuse)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "foo"], ["--device foo", "cpu, cuda or cuda:N"]),
+    (["--device", "cuda:99"], ["--device cuda:99"]),
+    (["--draft", "nonsense"], ["--draft nonsense", "prompt-lookup", "self", "checkpoint directory"]),
+    (["--model", "no/such/dir"], ["--model no/such/dir", "no such directory", "local checkpoint directory"]),
+])
+def test_bad_arguments_give_one_line_before_any_model_loads(capsys, no_model_loads, argv, words):
+    assert cli.main(["generate", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ssm-spec generate: error: "), captured.err
+    for word in words:
+        assert word in lines[0]
+    assert captured.out == ""
+
+
+def test_bad_draft_is_refused_before_the_target_loads(capsys, no_model_loads, tmp_path):
+    (tmp_path / "draft").mkdir()
+    assert cli.main(["generate", "--draft", str(tmp_path / "draft")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_length_warning_comes_before_the_model_loads(capsys, monkeypatch):
+    """Prompt + --max-new-tokens past the tiny model's max_position_embeddings (4096) warns on
+    stderr before anything loads (here the load is stopped right after)."""
+    def stop(*args, **kwargs):
+        raise cli_generate.CLIError("stopped before the load")
+
+    monkeypatch.setattr(cli_generate, "load_model", stop)
+    assert cli.main(["generate", "--device", "cpu", "--max-new-tokens", "4090", "--prompt", "0123456789"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: the prompt (10 tokens) plus --max-new-tokens (4090)" in err
+    assert "max_position_embeddings (4096)" in err
+    assert err.index("warning") < err.index("stopped before the load")
+
+
+def test_length_warning_threshold():
+    assert length_warning(10, 4086, 4096) is None
+    assert "4097 tokens" in length_warning(11, 4086, 4096)
+    assert length_warning(10, 10**6, None) is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,6 +6,9 @@ and prints the text and a table: tokens/s and the acceptance statistics of the
 :class:`~ssm_spec.hf.RecoverSSMCache`. With ``--check`` it also runs plain greedy ``generate``
 on an unconverted copy of the model and reports whether the tokens are equal.
 
+Every argument is checked before any model loads (the device, ``--draft``, ``--model``, the
+option values); a bad one gives a one-line ``ssm-spec generate: error: ...``.
+
 Exit status: 0 on success; 1 when ``--check`` finds tokens that differ from plain greedy; 2 on
 a usage error, a missing checkpoint, or a model that is not Qwen3-Next / Qwen3.5.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown 
 TINY_KIND = "qwen3_next"
 POSITIONS_SHOWN = 8  # per-position acceptance rates printed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFT_KEYWORDS = ("prompt-lookup", "self")
 
 
 class CLIError(Exception):
@@ -165,7 +170,9 @@ def _note(args, message: str) -> None:
 def _checkpoint_dir(path: str, option: str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
-        raise CLIError(f"{option} {path}: no such directory")
+        expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
+                    else "a local checkpoint directory; nothing is downloaded")
+        raise CLIError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():
         raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
     if not (p / "config.json").is_file():
@@ -180,6 +187,58 @@ def _load_config(path: Path, option: str):
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # an unknown model type, a broken config.json: all user-facing
         raise CLIError(f"{option} {path}: cannot read its config: {exc}") from exc
+
+
+def check_device(spec: str | None) -> torch.device:
+    """The torch device for ``--device`` (default: cuda if available, else cpu), checked by
+    allocating an empty tensor on it.
+
+    Raises:
+        CLIError: not a device name torch knows, or a device this machine does not have.
+    """
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise CLIError(f"--device {spec}: not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {spec}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # a backend torch knows but this build or machine lacks (mps, xpu, ...)
+        raise CLIError(f"--device {spec}: not usable here ({type(exc).__name__}: {exc})") from None
+    return device
+
+
+def check_draft(args):
+    """Check ``--draft`` before anything loads: ``prompt-lookup``, ``self``, or a local
+    checkpoint directory whose config reads. Returns that config (``None`` for the keywords).
+
+    Raises:
+        CLIError: anything else (the message names the valid values).
+    """
+    if args.draft in DRAFT_KEYWORDS:
+        return None
+    return _load_config(_checkpoint_dir(args.draft, "--draft"), "--draft")
+
+
+def max_positions(config) -> int | None:
+    """The text config's ``max_position_embeddings`` (None when it has none)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def length_warning(prompt_tokens: int, max_new_tokens: int, limit: int | None) -> str | None:
+    """The warning for a prompt plus ``--max-new-tokens`` longer than ``limit`` (the model's
+    ``max_position_embeddings``), or None."""
+    if limit is None or prompt_tokens + max_new_tokens <= limit:
+        return None
+    return (f"warning: the prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) is "
+            f"{prompt_tokens + max_new_tokens} tokens, more than the model's max_position_embeddings ({limit}): "
+            "positions past it were not trained and the text may degrade")
 
 
 def _has_gdn(model) -> bool:
@@ -288,6 +347,7 @@ def load_draft(args, target, device, dtype):
     k = args.num_draft_tokens
     if args.draft == "prompt-lookup":
         return None, f"prompt lookup, {k} tokens"
+    check_draft(args)
     if args.draft == "self":
         draft, what = target, "the model itself"
     else:
@@ -425,21 +485,18 @@ def _stats_rows(stats) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------------------------- main
 def _setup(args):
-    """Quiet transformers, pick the device and dtype, and make fp32 matmuls IEEE (no TF32)."""
+    """Quiet transformers, pick the dtype, and make fp32 matmuls IEEE (no TF32)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     if args.quiet:
         transformers.utils.logging.disable_progress_bar()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {args.device}: CUDA is not available on this machine")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:  # fp32 runs are exact: keep TF32 out of matmuls, convs and Triton dots
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    return device, dtype
+    return dtype
 
 
 def _release_memory() -> None:
@@ -451,17 +508,28 @@ def _release_memory() -> None:
 def run(args) -> int:
     """Run ``ssm-spec generate`` for parsed ``args``; print the text and the table.
 
+    Every argument is checked first: nothing loads for a bad one.
+
     Returns the exit status: 0, or 1 when ``--check`` finds tokens that differ from plain greedy.
 
     Raises:
         CLIError: a usage error, a missing checkpoint, a model that is not Qwen3-Next / Qwen3.5.
     """
     from .apply import apply_recoverssm
+    from .tiny import tiny_config
 
     _validate(args)
-    device, dtype = _setup(args)
-    check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
+    device = check_device(args.device)
+    config = check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
+    check_draft(args)
+    dtype = _setup(args)
     tokenizer = load_tokenizer(args)
+    input_ids = tokenizer.encode(args.prompt, device)
+    warning = length_warning(input_ids.shape[1], args.max_new_tokens,
+                             max_positions(config if config is not None else tiny_config(TINY_KIND)))
+    if warning:
+        print(warning, file=sys.stderr)
+
     model, model_desc = load_model(args, device, dtype)
     try:
         apply_recoverssm(model)
@@ -473,7 +541,6 @@ def run(args) -> int:
     except ValueError as exc:
         raise CLIError(f"--cuda-graphs: {exc}") from exc
     draft, draft_desc = load_draft(args, model, device, dtype)
-    input_ids = tokenizer.encode(args.prompt, device)
     speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
                    else {"assistant_model": draft})
     spec = timed_generate(model, input_ids, args, desc="speculative", speculative=speculative)
@@ -530,5 +597,6 @@ def main(args) -> int:
     try:
         return run(args)
     except CLIError as exc:
-        print(f"ssm-spec generate: error: {exc}", file=sys.stderr)
+        message = re.sub(r"\s*\n\s*", " ", str(exc).strip())  # one line, whatever the cause's text held
+        print(f"ssm-spec generate: error: {message}", file=sys.stderr)
         return 2
