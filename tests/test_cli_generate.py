@@ -17,7 +17,7 @@ import torch
 
 from ssm_spec import cli
 from ssm_spec.hf import cli_generate
-from ssm_spec.hf.cli_generate import ProgressStreamer, length_warning
+from ssm_spec.hf.cli_generate import ProgressStreamer, busy_note, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,18 +34,25 @@ def _row(stdout, name):
     return m.group(1) if m else None
 
 
+TIMED_RUNS = ("plain transformers", "converted, no drafts", "converted, with drafts")
+
+
+def _tokens_per_s(stdout, run):
+    return float(_row(stdout, f"tokens/s, {run}").split()[0])
+
+
 def _assert_ok_and_equal(proc):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _row(proc.stdout, "tokens equal plain greedy") == "yes", proc.stdout
-    assert float(_row(proc.stdout, "tokens/s")) > 0
-    assert _row(proc.stdout, "plain greedy tokens/s") is not None
+    for run in TIMED_RUNS:
+        assert _tokens_per_s(proc.stdout, run) > 0, proc.stdout
 
 
 def test_default_run_with_check():
     """The default (tiny model, prompt lookup; on CUDA where present) equals plain greedy and
     prints the table. The other runs pass --device cpu: a fresh process compiles the Triton
     kernels again, which costs more than the tiny model's whole run."""
-    proc = _run("--max-new-tokens", 64, "--check")
+    proc = _run("--max-new-tokens", 64, "--check", "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "new tokens") == "64"
     assert float(_row(proc.stdout, "mean accepted length").split()[0]) >= 1.0
@@ -55,7 +62,8 @@ def test_default_run_with_check():
 
 def test_draft_self_accepts_every_draft():
     """The tiny model as its own assistant: greedy drafts always match, K=5 per round."""
-    proc = _run("--max-new-tokens", 48, "--draft", "self", "--check", "--warmup", 0, "--quiet", "--device", "cpu")
+    proc = _run("--max-new-tokens", 48, "--draft", "self", "--check", "--warmup", 0, "--quiet", "--device", "cpu",
+                "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
     assert float(_row(proc.stdout, "mean accepted length").split()[0]) > 5.0  # 5 drafts + 1 per round
@@ -67,7 +75,7 @@ def test_cuda_graphs_path_on_cpu_with_self_draft():
     buffers, kept cache); with the model as its own draft it still equals plain greedy and
     accepts every draft (the assistant's calls never touch the target's kept cache)."""
     proc = _run("--max-new-tokens", 40, "--draft", "self", "--cuda-graphs", "on", "--check", "--warmup", 8,
-                "--quiet", "--device", "cpu")
+                "--quiet", "--device", "cpu", "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
 
@@ -79,35 +87,22 @@ def test_missing_model_path_exits_2(tmp_path):
     assert proc.stdout == ""
 
 
-def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
-    """A saved tiny Qwen3.5 (no tokenizer files): ByteTokenizer fallback with a note; --check."""
-    from ssm_spec.hf import tiny_model
-
-    tiny_model("qwen3_5", seed=3).save_pretrained(tmp_path)
-    proc = _run("--model", tmp_path, "--max-new-tokens", 48, "--check", "--warmup", 0, "--device", "cpu")
-    _assert_ok_and_equal(proc)
-    assert "ByteTokenizer" in proc.stderr
-    assert "qwen3_5" in _row(proc.stdout, "model")
-
-
-def test_not_a_gdn_model_exits_2(tmp_path):
-    """A Llama checkpoint directory is refused from its config, before any weight loads."""
-    transformers = pytest.importorskip("transformers")
-    transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
-    proc = _run("--model", tmp_path)
-    assert proc.returncode == 2
-    assert "not a Qwen3-Next / Qwen3.5 model" in proc.stderr
-
-
-def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
-    """No tokenizer and a vocabulary that is not the byte tokenizer's: a clear error."""
-    from ssm_spec.hf import tiny_config
-
-    tiny_config("qwen3_next", vocab_size=1000).save_pretrained(tmp_path)
-    proc = _run("--model", tmp_path)
-    assert proc.returncode == 2
-    assert "no usable tokenizer" in proc.stderr and "1000" in proc.stderr
+def test_output_reports_three_timings():
+    """The table has the three runs' tokens/s (median of --repeats calls), speed-ups that say
+    which two runs they divide (and agree with the rows), and the torch thread count."""
+    proc = _run("--max-new-tokens", 8, "--warmup", 0, "--repeats", 2, "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for run in TIMED_RUNS:
+        assert "median of 2 calls" in _row(out, f"tokens/s, {run}"), out
+    plain, converted, spec = (_tokens_per_s(out, run) for run in TIMED_RUNS)
+    over_hf = _row(out, "speed-up over transformers")
+    from_drafts = _row(out, "speed-up from drafts")
+    assert "converted, with drafts / tokens/s of plain transformers" in over_hf, out
+    assert "converted, with drafts / tokens/s of converted, no drafts" in from_drafts, out
+    assert float(over_hf.split("x")[0]) == pytest.approx(spec / plain, rel=0.02, abs=0.01)
+    assert float(from_drafts.split("x")[0]) == pytest.approx(spec / converted, rel=0.02, abs=0.01)
+    assert re.match(r"1 intra-op, \d+ inter-op", _row(out, "torch threads")), out  # OMP_NUM_THREADS=1
 
 
 @pytest.fixture
@@ -125,6 +120,7 @@ def no_model_loads(monkeypatch):
     (["--device", "cuda:99"], ["--device cuda:99"]),
     (["--draft", "nonsense"], ["--draft nonsense", "prompt-lookup", "self", "checkpoint directory"]),
     (["--model", "no/such/dir"], ["--model no/such/dir", "no such directory", "local checkpoint directory"]),
+    (["--repeats", "0"], ["--repeats"]),
 ])
 def test_bad_arguments_give_one_line_before_any_model_loads(capsys, no_model_loads, argv, words):
     assert cli.main(["generate", *argv]) == 2
@@ -160,6 +156,49 @@ def test_length_warning_threshold():
     assert length_warning(10, 4086, 4096) is None
     assert "4097 tokens" in length_warning(11, 4086, 4096)
     assert length_warning(10, 10**6, None) is None
+
+
+def test_busy_note_criterion():
+    # CPU device: CPU time well below wall time means the process waited for a core
+    assert "20%" in busy_note(0.2, 1.0, "cpu", 0.5, 4)
+    assert busy_note(0.9, 1.0, "cpu", 0.5, 4) is None
+    assert busy_note(3.5, 1.0, "cpu", 0.5, 4) is None  # several torch threads
+    # CUDA: the host sleeps while the GPU runs, so only the load average counts
+    assert busy_note(0.1, 1.0, "cuda", 0.5, 4) is None
+    assert "load average (9.0) exceeds the 2 usable CPUs" in busy_note(0.1, 1.0, "cuda", 9.0, 2)
+    assert busy_note(0.9, 1.0, "cpu", None, 2) is None
+
+
+def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
+    """A saved tiny Qwen3.5 (no tokenizer files): ByteTokenizer fallback with a note; --check."""
+    from ssm_spec.hf import tiny_model
+
+    tiny_model("qwen3_5", seed=3).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path, "--max-new-tokens", 48, "--check", "--warmup", 0, "--device", "cpu",
+                "--repeats", 1)
+    _assert_ok_and_equal(proc)
+    assert "ByteTokenizer" in proc.stderr
+    assert "qwen3_5" in _row(proc.stdout, "model")
+
+
+def test_not_a_gdn_model_exits_2(tmp_path):
+    """A Llama checkpoint directory is refused from its config, before any weight loads."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path)
+    assert proc.returncode == 2
+    assert "not a Qwen3-Next / Qwen3.5 model" in proc.stderr
+
+
+def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
+    """No tokenizer and a vocabulary that is not the byte tokenizer's: a clear error."""
+    from ssm_spec.hf import tiny_config
+
+    tiny_config("qwen3_next", vocab_size=1000).save_pretrained(tmp_path)
+    proc = _run("--model", tmp_path)
+    assert proc.returncode == 2
+    assert "no usable tokenizer" in proc.stderr and "1000" in proc.stderr
 
 
 @pytest.mark.parametrize("argv, message", [
