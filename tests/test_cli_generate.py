@@ -17,7 +17,7 @@ import torch
 
 from ssm_spec import cli
 from ssm_spec.hf import cli_generate
-from ssm_spec.hf.cli_generate import ProgressStreamer, busy_note, length_warning
+from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,12 +87,15 @@ def test_missing_model_path_exits_2(tmp_path):
     assert proc.stdout == ""
 
 
-def test_output_reports_three_timings():
+def test_output_reports_three_timings_and_the_random_weights_note():
     """The table has the three runs' tokens/s (median of --repeats calls), speed-ups that say
-    which two runs they divide (and agree with the rows), and the torch thread count."""
+    which two runs they divide (and agree with the rows), and the torch thread count; the
+    default model's text is preceded by one line saying it is random bytes."""
     proc = _run("--max-new-tokens", 8, "--warmup", 0, "--repeats", 2, "--quiet", "--device", "cpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    assert out.splitlines()[0] == RANDOM_WEIGHTS_NOTE
+    assert out.count(RANDOM_WEIGHTS_NOTE) == 1
     for run in TIMED_RUNS:
         assert "median of 2 calls" in _row(out, f"tokens/s, {run}"), out
     plain, converted, spec = (_tokens_per_s(out, run) for run in TIMED_RUNS)
@@ -179,6 +182,7 @@ def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
     _assert_ok_and_equal(proc)
     assert "ByteTokenizer" in proc.stderr
     assert "qwen3_5" in _row(proc.stdout, "model")
+    assert RANDOM_WEIGHTS_NOTE not in proc.stdout  # a checkpoint's text is its own business
 
 
 def test_not_a_gdn_model_exits_2(tmp_path):

@@ -39,6 +39,9 @@ TINY_KIND = "qwen3_next"
 POSITIONS_SHOWN = 8  # per-position acceptance rates printed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DRAFT_KEYWORDS = ("prompt-lookup", "self")
+#: The line printed before the default model's text.
+RANDOM_WEIGHTS_NOTE = ("note: the default model is the embedded tiny model with random weights, so its text is "
+                       "random bytes (not language); --model PATH runs a real checkpoint")
 #: ``busy_note``'s threshold: process CPU time over wall time of the timed calls below this.
 BUSY_CPU_FRACTION = 0.5
 
@@ -623,6 +626,8 @@ def run(args) -> int:
     del model, draft, speculative
     _release_memory()
 
+    if args.model is None:
+        print(RANDOM_WEIGHTS_NOTE)
     print(printable(tokenizer.decode(spec.new_tokens)))
     print()
     runs = (plain, converted, spec)
