@@ -9,6 +9,12 @@ import re
 import time
 from pathlib import Path
 
+#: The committed results (GPU runs quoted in the READMEs): written only on request (``--save``
+#: or an explicit ``--out-dir``), so a smoke run cannot overwrite them.
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: Where a run writes when not asked for a place: git-ignored (``/benchmarks/out/`` in .gitignore).
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show defaults, except device-dependent ones (``None``: described in the help)."""
@@ -17,9 +23,38 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def add_out_args(p: argparse.ArgumentParser) -> None:
+    """``--out-dir`` and ``--save``: where the JSON and the plot go."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--out-dir", type=Path, default=None,
+                   help=f"where the JSON and the plot go (default {DEFAULT_OUT_DIR.parent.name}/"
+                        f"{DEFAULT_OUT_DIR.name}/, git-ignored)")
+    g.add_argument("--save", action="store_true",
+                   help=f"write into {RESULTS_DIR.parent.name}/{RESULTS_DIR.name}/, the committed "
+                        "results (a full GPU run only)")
+
+
+def resolve_out_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke: bool) -> None:
+    """Set ``args.out_dir``: ``--out-dir`` as given, ``--save`` the committed results folder
+    (refused for a smoke run: ``smoke`` is a CPU or ``--quick`` run, whose numbers mean nothing),
+    else the git-ignored default."""
+    if args.save:
+        if smoke:
+            p.error(f"--save writes the committed results in {RESULTS_DIR}; a CPU or --quick "
+                    "smoke run must not replace them (use --out-dir to keep its output)")
+        args.out_dir = RESULTS_DIR
+    elif args.out_dir is None:
+        args.out_dir = DEFAULT_OUT_DIR
+
+
 def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:
     """Write ``res`` as ``<out_dir>/<stem>.json`` and, where ``save_plot(res, path)`` can
     (matplotlib installed), ``<stem>.png``; print each path written."""
+    out_dir = Path(out_dir)
+    note = ("the committed results" if out_dir.resolve() == RESULTS_DIR
+            else "git-ignored; --save writes the committed results" if out_dir.resolve() == DEFAULT_OUT_DIR
+            else "--out-dir")
+    print(f"results go to {out_dir} ({note})")
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(res, indent=2) + "\n")

@@ -51,9 +51,13 @@ falls into loops that prompt lookup can draft from). ``--std 0.2`` gives the uns
 
 ``--quick`` is a smoke test of the script (tiny widths, few tokens; runs on CPU in seconds).
 
+Results (JSON and plot) go to ``benchmarks/out/`` (git-ignored) unless asked otherwise: ``--save``
+writes ``benchmarks/results/``, the committed GPU runs (refused for a CPU or ``--quick`` smoke
+run), ``--out-dir DIR`` writes DIR. The output's first lines say where.
+
 Usage::
 
-    python benchmarks/bench_hf_generate.py                     # cuda, bf16, 256 new tokens
+    python benchmarks/bench_hf_generate.py --save              # cuda, bf16, 256 new tokens, committed
     python benchmarks/bench_hf_generate.py --dtype float32
     python benchmarks/bench_hf_generate.py --device cpu --quick
     python benchmarks/bench_hf_generate.py --no-hf-torch       # skip the PyTorch-reference baseline
@@ -72,7 +76,8 @@ import time
 from pathlib import Path
 
 import torch
-from _results import Clock, HelpFormatter, device_name, pyplot, write_results
+from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir,
+                      write_results)
 
 from ssm_spec.hf.kernels import hf_reference_kernels
 
@@ -660,8 +665,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--embed-std", type=float, default=10.0, help="std of the embeddings (tiny_model's)")
     p.add_argument("--residual-scale", type=float, default=0.5,
                    help="scale of the mixers' and MLPs' output projections (tiny_model's)")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="where the JSON and the plot go")
+    add_out_args(p)
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -681,6 +685,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--attn-heads must be a multiple of --kv-heads")
     if min(args.new_tokens, args.num_draft_tokens, args.repeats, args.forward_reps, args.warmup_tokens) < 1:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
+    resolve_out_dir(p, args, smoke=args.quick or torch.device(args.device).type == "cpu")
     return args
 
 

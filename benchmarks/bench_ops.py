@@ -45,13 +45,17 @@ full-graph decode step. ``--timing eager`` times single eager calls instead.
 
 ``--device cpu`` is a smoke test of this script only (tiny sizes, ``time.perf_counter``).
 
+Results (JSON and plot) go to ``benchmarks/out/`` (git-ignored) unless asked otherwise: ``--save``
+writes ``benchmarks/results/``, the committed GPU runs (refused for a CPU or ``--quick`` smoke
+run), ``--out-dir DIR`` writes DIR. The output's first lines say where.
+
 Usage::
 
-    python benchmarks/bench_ops.py                          # H200, fp32 state, k = 1,2,3,5,7
+    python benchmarks/bench_ops.py --save                   # H200, fp32 state, k = 1,2,3,5,7, committed
     python benchmarks/bench_ops.py --state-dtype bfloat16
     python benchmarks/bench_ops.py --k 3 --batches 1,16,256
     python benchmarks/bench_ops.py --device cpu             # smoke test of the script
-    python benchmarks/bench_ops.py --replot results/bench_ops_nvidia-h200_float32.json  # redraw
+    python benchmarks/bench_ops.py --replot benchmarks/results/bench_ops_nvidia-h200_float32.json  # redraw
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _results import HelpFormatter, device_name, pyplot, slug, write_results
+from _results import (HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug,
+                      write_results)
 
 import ssm_spec  # noqa: F401  (registers torch.ops.ssm_spec.*)
 
@@ -844,8 +849,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--value-heads", type=int, default=32, help="value heads HV")
     p.add_argument("--head-k", type=int, default=None, help="key head dim K (default 128; cpu: 16)")
     p.add_argument("--head-v", type=int, default=None, help="value head dim V (default 128; cpu: 16)")
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="where the JSON and the plot go")
+    add_out_args(p)
     p.add_argument("--timing", choices=["graph", "eager"], default="graph",
                    help="cuda: time a CUDA graph of several calls, or single eager calls")
     p.add_argument("--warmup-ms", type=int, default=25, help="do_bench warmup")
@@ -892,6 +896,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--value-heads must be a multiple of --heads")
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here (use --device cpu for a smoke test)")
+    resolve_out_dir(p, args, smoke=cpu)
     return args
 
 

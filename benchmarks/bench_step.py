@@ -21,9 +21,13 @@ time relative to the snapshot.
 Positions stay put between steps (``num_computed_tokens`` is fixed, so the KV buffer never
 overflows); the states advance every step as in decoding.
 
+Results (JSON and plot) go to ``benchmarks/out/`` (git-ignored) unless asked otherwise: ``--save``
+writes ``benchmarks/results/``, the committed GPU runs (refused for a CPU or ``--quick`` smoke
+run), ``--out-dir DIR`` writes DIR. The output's first lines say where.
+
 Usage::
 
-    python benchmarks/bench_step.py                         # H200: B 1 4 16 64 256, k 1 3 5
+    python benchmarks/bench_step.py --save                  # H200: B 1 4 16 64 256, k 1 3 5, committed
     python benchmarks/bench_step.py --quick --device cpu    # smoke test of the script
 """
 
@@ -35,7 +39,8 @@ import time
 from pathlib import Path
 
 import torch
-from _results import Clock, HelpFormatter, device_name, pyplot, slug, write_results
+from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug,
+                      write_results)
 
 from graphs import SpecDecodeGraphRunner
 from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
@@ -202,7 +207,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="recurrent state")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out_args(p)
     args = p.parse_args(argv)
     if args.device == "cpu":
         args.quick = True
@@ -212,6 +217,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from {MODES}")
+    resolve_out_dir(p, args, smoke=args.quick)
     return args
 
 

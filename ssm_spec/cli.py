@@ -4,9 +4,11 @@ ssm-spec selfcheck [--seed N]: run every op against the token-by-token reference
 data and print a table (exit status 1 if any check fails).
 
 ssm-spec generate [--model PATH] [--draft prompt-lookup|self|PATH] [--check] ...: speculative
-decoding with generate on a Qwen3-Next / Qwen3.5 model (default: an embedded tiny model, no
-download); prints the text, tokens/s and acceptance statistics (exit status 1 if --check finds
-tokens that differ from plain greedy, 2 on a usage or model error). Needs the hf extra.
+decoding with generate on a Qwen3-Next / Qwen3.5 model (default: an embedded tiny model with
+random weights, no download); prints the text, the tokens/s of plain transformers, of the
+converted model without drafts and with drafts (medians of --repeats calls), and acceptance
+statistics (exit status 1 if --check finds tokens that differ from plain greedy, 2 on a usage
+or model error: checked before any model loads). Needs the hf extra.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="speculative decoding on a Qwen3-Next / Qwen3.5 model with generate",
                          description="Speculative decoding (prompt lookup or a draft model) with transformers' "
                                      "generate on a Qwen3-Next / Qwen3.5 model converted by apply_recoverssm; "
-                                     "prints the text, tokens/s and acceptance statistics.")
+                                     "prints the text, the tokens/s of plain transformers, of the converted model "
+                                     "without drafts and with drafts (medians of --repeats calls), and acceptance "
+                                     "statistics.")
     if argv[:1] == ["generate"]:  # its options import transformers (the hf extra): only when asked for
         try:
             from .hf import cli_generate

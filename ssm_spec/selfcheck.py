@@ -2,7 +2,10 @@
 
 Run as ``ssm-spec selfcheck`` (or ``python -m ssm_spec selfcheck``). Prints one table row per
 (op, device, state dtype) and exits non-zero if any check fails. Runs on the CPU kernels and,
-when CUDA is present, on the Triton kernels.
+when CUDA is present, on the Triton kernels. Every registered ``torch.ops.ssm_spec`` op is
+checked: the ones with no reference of their own against the ops they are defined by
+(``gdn_folded_verify`` == ``gdn_commit`` then ``gdn_verify``, the functional verify ops == the
+in-place ones, bit for bit); an op registered without a check here is a failed row.
 """
 
 from __future__ import annotations
@@ -92,6 +95,29 @@ def _gdn_checks(device, state_dtype, seed) -> list[Check]:
     checks.append(Check("gdn_commit", dev, sd, "== native state, every n in 0..W (bitwise)", str(exact), exact))
     if state_dtype == torch.float32:
         checks.append(Check("gdn_commit", dev, sd, "max rel err vs float64", f"{worst:.1e}", worst < 1e-5))
+
+    # the functional form: the same outputs as gdn_verify on the live rows, allocated by the op
+    f_out, *f_rec = torch.ops.ssm_spec.gdn_verify_functional(q, k, v, g, beta, pool, src, qsl, K ** -0.5, True)
+    same = torch.equal(f_out[live], out[live]) and all(torch.equal(a[live], b[live]) for a, b in zip(f_rec, rec))
+    checks.append(Check("gdn_verify_functional", dev, sd, "== verify (out, record; bitwise)", str(same), same))
+
+    # the previous window (the record above) committed and the next window verified in one call
+    buf2 = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device)
+    q2 = buf2[:, : H * K].unflatten(1, (H, K))
+    k2 = buf2[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v2 = buf2[:, 2 * H * K :].unflatten(1, (HV, V))
+    g2 = (-torch.nn.functional.softplus(torch.randn(T, HV, generator=gen))).to(device)
+    beta2 = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device)
+    counts = i32([min(b + 1, n) if s >= 0 else 0 for b, (n, s) in enumerate(zip(lengths, srcs))])
+    separate = pool.clone()
+    ops.gdn_commit(separate, rec, qsl, src, counts)
+    out_s, rec_s = ops.gdn_verify(q2, k2, v2, g2, beta2, separate, src, qsl)
+    folded = pool.clone()
+    out_f, rec_f = ops.gdn_folded_verify(q2, k2, v2, g2, beta2, folded, src, qsl, rec, qsl[:-1].clone(), counts)
+    same = (torch.equal(folded, separate) and torch.equal(out_f[live], out_s[live])
+            and all(torch.equal(a[live], b[live]) for a, b in zip(rec_f, rec_s)))
+    checks.append(Check("gdn_folded_verify", dev, sd, "== commit then verify (pool, out, record; bitwise)",
+                        str(same), same))
     return checks
 
 
@@ -115,6 +141,10 @@ def _conv_checks(device, seed) -> list[Check]:
         worst = max(worst, _rel(out[qsl_l[b]:qsl_l[b + 1]], ref.out))
     dev = device.type
     checks = [Check("short_conv_verify", dev, "float32", "max rel err vs float64", f"{worst:.1e}", worst < 1e-6)]
+    f_out, f_rec = torch.ops.ssm_spec.short_conv_verify_functional(x, w, bias, state, i32(srcs), i32(qsl_l), dil, "silu")
+    same = torch.equal(f_out, out) and torch.equal(f_rec, rec_x)
+    checks.append(Check("short_conv_verify_functional", dev, "float32", "== verify (out, record; bitwise)", str(same),
+                        same))
     exact = True
     for n_all in range(W + 1):
         counts = [min(n_all, n) for n in lengths]
@@ -127,8 +157,16 @@ def _conv_checks(device, seed) -> list[Check]:
     return checks
 
 
+def registered_ops() -> list[str]:
+    """The names of every registered ``torch.ops.ssm_spec`` op (importing :mod:`ssm_spec.ops`
+    registers them)."""
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("ssm_spec::"))
+
+
 def run(seed: int | None = None) -> list[Check]:
-    """Run every check on the CPU and, if present, on CUDA; return the rows."""
+    """Run every check on the CPU and, if present, on CUDA; return the rows (a failed row per
+    registered op that no check covers)."""
     seed = int(time.time()) % 100000 if seed is None else seed
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     rows: list[Check] = []
@@ -136,6 +174,9 @@ def run(seed: int | None = None) -> list[Check]:
         for state_dtype in (torch.float32, torch.bfloat16):
             rows += _gdn_checks(device, state_dtype, seed)
         rows += _conv_checks(device, seed)
+    covered = {r.op for r in rows}
+    rows += [Check(op, "-", "-", "registered but not checked by the self-check", "missing", False)
+             for op in registered_ops() if op not in covered]
     return rows
 
 

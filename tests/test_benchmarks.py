@@ -1,18 +1,76 @@
-"""The benchmark scripts run (CPU smoke mode: tiny widths; the numbers mean nothing here)."""
+"""The benchmark scripts run (CPU smoke mode: tiny widths; the numbers mean nothing here), as
+``benchmarks/README.md`` documents them, and never touch the committed results."""
 
 import json
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results"
+
+#: Appended to a documented smoke command to keep the test short; none of them says where the
+#: results go, so the command's own output place is what the test checks.
+CHEAPER = {
+    "bench_hf_generate.py": ["--new-tokens", "4", "--warmup-tokens", "4", "--repeats", "1",
+                             "--forward-reps", "1", "--forward-warmup", "0", "--no-hf-torch",
+                             "--prompt-repeats", "1", "--no-graphs"],
+}
 
 
-def test_bench_step_smoke_run_writes_results(tmp_path):
-    proc = subprocess.run([sys.executable, "bench_step.py", "--device", "cpu", "--out-dir", str(tmp_path)],
-                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
+def documented_cpu_smoke_commands() -> dict[str, list[str]]:
+    """``{script: argv}`` for each ``python benchmarks/<script> ... --device cpu ...`` line in
+    benchmarks/README.md's code blocks (the comment after ``#`` dropped)."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    commands = {}
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            m = re.match(r"python benchmarks/(bench_\w+\.py)\b([^#]*)", line.strip())
+            if m and "--device cpu" in m.group(2):
+                commands[m.group(1)] = shlex.split(m.group(2))
+    return commands
+
+
+COMMANDS = documented_cpu_smoke_commands()
+
+
+def test_every_benchmark_documents_a_cpu_smoke_command():
+    assert set(COMMANDS) == {"bench_ops.py", "bench_step.py", "bench_hf_generate.py"}, COMMANDS
+
+
+def git_status_results() -> str | None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    proc = subprocess.run(["git", "status", "--porcelain", "--ignored", RESULTS], cwd=ROOT,
+                          capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def run_documented(script: str) -> Path:
+    """Run the README's CPU smoke command for ``script`` from the repository root (as
+    documented); check that ``git status`` of benchmarks/results is unchanged and return the
+    JSON file the run says it wrote."""
+    before = git_status_results()
+    if before is None:
+        pytest.skip("not a git checkout")
+    argv = [sys.executable, f"benchmarks/{script}", *COMMANDS[script], *CHEAPER.get(script, [])]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((tmp_path / "bench_step_quick_float32.json").read_text())
+    assert git_status_results() == before, "a smoke run changed benchmarks/results"
+    assert re.search(r"^results go to .*git-ignored", proc.stdout, flags=re.M), proc.stdout[-2000:]
+    (json_path,) = re.findall(r"^wrote (.*\.json)$", proc.stdout, flags=re.M)
+    json_path = Path(json_path)
+    assert (ROOT / RESULTS).resolve() not in json_path.resolve().parents
+    return json_path
+
+
+def test_bench_step_smoke_run():
+    res = json.loads(run_documented("bench_step.py").read_text())
     modes = {r["mode"] for r in res["rows"]}
     assert modes == {"recoverssm", "snapshot", "folded"}
     # the fixed acceptance pattern gives every mode the same tokens per step
@@ -22,12 +80,22 @@ def test_bench_step_smoke_run_writes_results(tmp_path):
             assert len(set(per_mode.values())) == 1, per_mode
 
 
-def test_bench_ops_smoke_run_writes_results(tmp_path):
-    proc = subprocess.run([sys.executable, "bench_ops.py", "--device", "cpu", "--out-dir", str(tmp_path)],
-                          cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob("bench_ops_*.json")
-    res = json.loads(path.read_text())
+def test_bench_ops_smoke_run():
+    res = json.loads(run_documented("bench_ops.py").read_text())
     kernels = set(res["rows"][0]["kernels"])
     assert {"verify", "commit_nW", "commit_n1", "snapshot", "folded"} <= kernels
     assert 0 < res["record_bytes_per_token_over_state"] < 1
+
+
+def test_bench_hf_generate_smoke_run():
+    res = json.loads(run_documented("bench_hf_generate.py").read_text())
+    assert res["config"]["quick"]
+
+
+@pytest.mark.parametrize("script", ["bench_ops.py", "bench_step.py", "bench_hf_generate.py"])
+def test_save_is_refused_for_a_smoke_run(script):
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--device", "cpu", "--quick", "--save"]
+                          if script != "bench_ops.py" else
+                          [sys.executable, f"benchmarks/{script}", "--device", "cpu", "--save"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--save" in proc.stderr.splitlines()[-1], proc.stderr

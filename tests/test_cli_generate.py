@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ssm_spec import cli
-from ssm_spec.hf.cli_generate import ProgressStreamer
+from ssm_spec.hf import cli_generate
+from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,18 +34,25 @@ def _row(stdout, name):
     return m.group(1) if m else None
 
 
+TIMED_RUNS = ("plain transformers", "converted, no drafts", "converted, with drafts")
+
+
+def _tokens_per_s(stdout, run):
+    return float(_row(stdout, f"tokens/s, {run}").split()[0])
+
+
 def _assert_ok_and_equal(proc):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _row(proc.stdout, "tokens equal plain greedy") == "yes", proc.stdout
-    assert float(_row(proc.stdout, "tokens/s")) > 0
-    assert _row(proc.stdout, "plain greedy tokens/s") is not None
+    for run in TIMED_RUNS:
+        assert _tokens_per_s(proc.stdout, run) > 0, proc.stdout
 
 
 def test_default_run_with_check():
     """The default (tiny model, prompt lookup; on CUDA where present) equals plain greedy and
     prints the table. The other runs pass --device cpu: a fresh process compiles the Triton
     kernels again, which costs more than the tiny model's whole run."""
-    proc = _run("--max-new-tokens", 64, "--check")
+    proc = _run("--max-new-tokens", 64, "--check", "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "new tokens") == "64"
     assert float(_row(proc.stdout, "mean accepted length").split()[0]) >= 1.0
@@ -54,7 +62,8 @@ def test_default_run_with_check():
 
 def test_draft_self_accepts_every_draft():
     """The tiny model as its own assistant: greedy drafts always match, K=5 per round."""
-    proc = _run("--max-new-tokens", 48, "--draft", "self", "--check", "--warmup", 0, "--quiet", "--device", "cpu")
+    proc = _run("--max-new-tokens", 48, "--draft", "self", "--check", "--warmup", 0, "--quiet", "--device", "cpu",
+                "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
     assert float(_row(proc.stdout, "mean accepted length").split()[0]) > 5.0  # 5 drafts + 1 per round
@@ -66,7 +75,7 @@ def test_cuda_graphs_path_on_cpu_with_self_draft():
     buffers, kept cache); with the model as its own draft it still equals plain greedy and
     accepts every draft (the assistant's calls never touch the target's kept cache)."""
     proc = _run("--max-new-tokens", 40, "--draft", "self", "--cuda-graphs", "on", "--check", "--warmup", 8,
-                "--quiet", "--device", "cpu")
+                "--quiet", "--device", "cpu", "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
 
@@ -78,15 +87,102 @@ def test_missing_model_path_exits_2(tmp_path):
     assert proc.stdout == ""
 
 
+def test_output_reports_three_timings_and_the_random_weights_note():
+    """The table has the three runs' tokens/s (median of --repeats calls), speed-ups that say
+    which two runs they divide (and agree with the rows), and the torch thread count; the
+    default model's text is preceded by one line saying it is random bytes."""
+    proc = _run("--max-new-tokens", 8, "--warmup", 0, "--repeats", 2, "--quiet", "--device", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.splitlines()[0] == RANDOM_WEIGHTS_NOTE
+    assert out.count(RANDOM_WEIGHTS_NOTE) == 1
+    for run in TIMED_RUNS:
+        assert "median of 2 calls" in _row(out, f"tokens/s, {run}"), out
+    plain, converted, spec = (_tokens_per_s(out, run) for run in TIMED_RUNS)
+    over_hf = _row(out, "speed-up over transformers")
+    from_drafts = _row(out, "speed-up from drafts")
+    assert "converted, with drafts / tokens/s of plain transformers" in over_hf, out
+    assert "converted, with drafts / tokens/s of converted, no drafts" in from_drafts, out
+    assert float(over_hf.split("x")[0]) == pytest.approx(spec / plain, rel=0.02, abs=0.01)
+    assert float(from_drafts.split("x")[0]) == pytest.approx(spec / converted, rel=0.02, abs=0.01)
+    assert re.match(r"1 intra-op, \d+ inter-op", _row(out, "torch threads")), out  # OMP_NUM_THREADS=1
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: the checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli_generate, "load_model", refuse)
+    monkeypatch.setattr(cli_generate, "_load_pretrained", refuse)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--device", "foo"], ["--device foo", "cpu, cuda or cuda:N"]),
+    (["--device", "cuda:99"], ["--device cuda:99"]),
+    (["--draft", "nonsense"], ["--draft nonsense", "prompt-lookup", "self", "checkpoint directory"]),
+    (["--model", "no/such/dir"], ["--model no/such/dir", "no such directory", "local checkpoint directory"]),
+    (["--repeats", "0"], ["--repeats"]),
+])
+def test_bad_arguments_give_one_line_before_any_model_loads(capsys, no_model_loads, argv, words):
+    assert cli.main(["generate", *argv]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ssm-spec generate: error: "), captured.err
+    for word in words:
+        assert word in lines[0]
+    assert captured.out == ""
+
+
+def test_bad_draft_is_refused_before_the_target_loads(capsys, no_model_loads, tmp_path):
+    (tmp_path / "draft").mkdir()
+    assert cli.main(["generate", "--draft", str(tmp_path / "draft")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_length_warning_comes_before_the_model_loads(capsys, monkeypatch):
+    """Prompt + --max-new-tokens past the tiny model's max_position_embeddings (4096) warns on
+    stderr before anything loads (here the load is stopped right after)."""
+    def stop(*args, **kwargs):
+        raise cli_generate.CLIError("stopped before the load")
+
+    monkeypatch.setattr(cli_generate, "load_model", stop)
+    assert cli.main(["generate", "--device", "cpu", "--max-new-tokens", "4090", "--prompt", "0123456789"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: the prompt (10 tokens) plus --max-new-tokens (4090)" in err
+    assert "max_position_embeddings (4096)" in err
+    assert err.index("warning") < err.index("stopped before the load")
+
+
+def test_length_warning_threshold():
+    assert length_warning(10, 4086, 4096) is None
+    assert "4097 tokens" in length_warning(11, 4086, 4096)
+    assert length_warning(10, 10**6, None) is None
+
+
+def test_busy_note_criterion():
+    # CPU device: CPU time well below wall time means the process waited for a core
+    assert "20%" in busy_note(0.2, 1.0, "cpu", 0.5, 4)
+    assert busy_note(0.9, 1.0, "cpu", 0.5, 4) is None
+    assert busy_note(3.5, 1.0, "cpu", 0.5, 4) is None  # several torch threads
+    # CUDA: the host sleeps while the GPU runs, so only the load average counts
+    assert busy_note(0.1, 1.0, "cuda", 0.5, 4) is None
+    assert "load average (9.0) exceeds the 2 usable CPUs" in busy_note(0.1, 1.0, "cuda", 9.0, 2)
+    assert busy_note(0.9, 1.0, "cpu", None, 2) is None
+
+
 def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
     """A saved tiny Qwen3.5 (no tokenizer files): ByteTokenizer fallback with a note; --check."""
     from ssm_spec.hf import tiny_model
 
     tiny_model("qwen3_5", seed=3).save_pretrained(tmp_path)
-    proc = _run("--model", tmp_path, "--max-new-tokens", 48, "--check", "--warmup", 0, "--device", "cpu")
+    proc = _run("--model", tmp_path, "--max-new-tokens", 48, "--check", "--warmup", 0, "--device", "cpu",
+                "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert "ByteTokenizer" in proc.stderr
     assert "qwen3_5" in _row(proc.stdout, "model")
+    assert RANDOM_WEIGHTS_NOTE not in proc.stdout  # a checkpoint's text is its own business
 
 
 def test_not_a_gdn_model_exits_2(tmp_path):

@@ -8,6 +8,10 @@ submodules under their own names and a converted model saves and loads as the or
 forward zeroes padded positions as transformers does (``apply_mask_to_padding_states``) and
 hands the rows to the cache's rollback pool, which runs :meth:`engine_forward` with the
 forward's metadata.
+
+This module does not import :mod:`ssm_spec.hf.cache` (the cache imports it, to find the
+converted layers): it recognises a RecoverSSM cache by its ``rolls_back_linear_attention``
+class attribute, so the two modules do not import each other.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from torch import nn
 from ..metadata import RecoverSSMMetadata
 from ..modules import RecoverGatedDeltaNet
 from ..pools import StatePool
-from .cache import RecoverSSMCache
 
 __all__ = ["RecoverGDNAdapter"]
 
@@ -53,7 +56,7 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
             hidden_states = (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)
         if cache is None:
             return self._standalone(hidden_states)
-        if not isinstance(cache, RecoverSSMCache):
+        if not getattr(type(cache), "rolls_back_linear_attention", False):  # a RecoverSSMCache (or subclass)
             raise ValueError(f"{type(self).__name__}: got a {type(cache).__name__}; a converted layer needs a "
                              "ssm_spec.hf.RecoverSSMCache (generate() and forward() of the converted model create "
                              "one; when calling the base model, pass cache=RecoverSSMCache(model))")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionLayer
 
+from .adapter import RecoverGDNAdapter
 from .rollback import RollbackPool
 from .static_kv import StaticAttentionLayer
 
@@ -137,9 +138,12 @@ class RecoverSSMCache(DynamicCache):
         ValueError: from ``crop``, a rollback deeper than the tokens held (nothing changes).
     """
 
+    #: How a converted layer (:class:`~ssm_spec.hf.adapter.RecoverGDNAdapter`) recognises this cache
+    #: without importing this module (which imports the adapter's).
+    rolls_back_linear_attention = True
+
     def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32,
                  max_cache_len: int | None = None):
-        from .adapter import RecoverGDNAdapter
         from .graphed import GraphedForward
 
         if int(max_pending) < 1:

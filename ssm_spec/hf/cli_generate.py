@@ -1,10 +1,16 @@
 """``ssm-spec generate``: speculative decoding on a Qwen3-Next / Qwen3.5 model from the shell.
 
-Loads a local checkpoint (or builds the embedded tiny model), converts it with
-:func:`~ssm_spec.hf.apply_recoverssm`, runs ``generate`` with prompt lookup or a draft model,
-and prints the text and a table: tokens/s and the acceptance statistics of the
-:class:`~ssm_spec.hf.RecoverSSMCache`. With ``--check`` it also runs plain greedy ``generate``
-on an unconverted copy of the model and reports whether the tokens are equal.
+Loads a local checkpoint (or builds the embedded tiny model) and times three ``generate`` runs
+of it, each the median of ``--repeats`` calls: plain transformers (the model as loaded), the
+model converted by :func:`~ssm_spec.hf.apply_recoverssm` without drafts, and the converted
+model with prompt lookup or a draft model. It prints the text and a table: the three tokens/s,
+the speed-ups (each line naming the two runs it divides), the torch thread count, a note when
+the machine looked busy, and the acceptance statistics of the
+:class:`~ssm_spec.hf.RecoverSSMCache`. With ``--check`` it reports whether the drafted run's
+tokens equal plain transformers' greedy tokens.
+
+Every argument is checked before any model loads (the device, ``--draft``, ``--model``, the
+option values); a bad one gives a one-line ``ssm-spec generate: error: ...``.
 
 Exit status: 0 on success; 1 when ``--check`` finds tokens that differ from plain greedy; 2 on
 a usage error, a missing checkpoint, or a model that is not Qwen3-Next / Qwen3.5.
@@ -15,6 +21,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -23,13 +31,19 @@ from pathlib import Path
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-__all__ = ["DEFAULT_PROMPT", "CLIError", "ProgressStreamer", "RunResult", "add_arguments", "main"]
+__all__ = ["DEFAULT_PROMPT", "CLIError", "ProgressStreamer", "RunResult", "add_arguments", "busy_note", "main"]
 
 DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
                   "The quick brown fox")
 TINY_KIND = "qwen3_next"
 POSITIONS_SHOWN = 8  # per-position acceptance rates printed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DRAFT_KEYWORDS = ("prompt-lookup", "self")
+#: The line printed before the default model's text.
+RANDOM_WEIGHTS_NOTE = ("note: the default model is the embedded tiny model with random weights, so its text is "
+                       "random bytes (not language); --model PATH runs a real checkpoint")
+#: ``busy_note``'s threshold: process CPU time over wall time of the timed calls below this.
+BUSY_CPU_FRACTION = 0.5
 
 
 class CLIError(Exception):
@@ -66,13 +80,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of the tiny model's weights and of sampling (0)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (with --do-sample)")
+    parser.add_argument("--repeats", type=int, default=3, metavar="N",
+                        help="timed generate calls per run (plain transformers, converted without drafts, "
+                             "converted with drafts); each run reports their median (3)")
     parser.add_argument("--warmup", type=int, default=16, metavar="N",
                         help="new tokens of an untimed warm-up call before each timed run (kernel compiles, "
                              "allocator; with CUDA graphs the warm-up sizes its kept cache for the timed run, so "
                              "the graphs it captures are replayed there); 0 skips it (16)")
     parser.add_argument("--check", action="store_true",
-                        help="also run plain greedy generate on an unconverted copy of the model and report "
-                             "whether the tokens are equal (exit status 1 if not); needs greedy decoding")
+                        help="report whether the drafted run's tokens equal plain transformers' greedy "
+                             "tokens (the unconverted model's; exit status 1 if not); needs greedy decoding")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bars or notes on stderr (the text and the table still print)")
 
@@ -82,6 +99,8 @@ def _validate(args) -> None:
         raise CLIError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     if args.num_draft_tokens < 1:
         raise CLIError(f"--num-draft-tokens: expected >= 1, got {args.num_draft_tokens}")
+    if args.repeats < 1:
+        raise CLIError(f"--repeats: expected >= 1, got {args.repeats}")
     if args.warmup < 0:
         raise CLIError(f"--warmup: expected >= 0, got {args.warmup}")
     if args.temperature is not None and not args.do_sample:
@@ -165,7 +184,9 @@ def _note(args, message: str) -> None:
 def _checkpoint_dir(path: str, option: str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
-        raise CLIError(f"{option} {path}: no such directory")
+        expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
+                    else "a local checkpoint directory; nothing is downloaded")
+        raise CLIError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():
         raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
     if not (p / "config.json").is_file():
@@ -180,6 +201,58 @@ def _load_config(path: Path, option: str):
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # an unknown model type, a broken config.json: all user-facing
         raise CLIError(f"{option} {path}: cannot read its config: {exc}") from exc
+
+
+def check_device(spec: str | None) -> torch.device:
+    """The torch device for ``--device`` (default: cuda if available, else cpu), checked by
+    allocating an empty tensor on it.
+
+    Raises:
+        CLIError: not a device name torch knows, or a device this machine does not have.
+    """
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError, TypeError):
+        raise CLIError(f"--device {spec}: not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {spec}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    try:
+        torch.empty(0, device=device)
+    except Exception as exc:  # a backend torch knows but this build or machine lacks (mps, xpu, ...)
+        raise CLIError(f"--device {spec}: not usable here ({type(exc).__name__}: {exc})") from None
+    return device
+
+
+def check_draft(args):
+    """Check ``--draft`` before anything loads: ``prompt-lookup``, ``self``, or a local
+    checkpoint directory whose config reads. Returns that config (``None`` for the keywords).
+
+    Raises:
+        CLIError: anything else (the message names the valid values).
+    """
+    if args.draft in DRAFT_KEYWORDS:
+        return None
+    return _load_config(_checkpoint_dir(args.draft, "--draft"), "--draft")
+
+
+def max_positions(config) -> int | None:
+    """The text config's ``max_position_embeddings`` (None when it has none)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
+def length_warning(prompt_tokens: int, max_new_tokens: int, limit: int | None) -> str | None:
+    """The warning for a prompt plus ``--max-new-tokens`` longer than ``limit`` (the model's
+    ``max_position_embeddings``), or None."""
+    if limit is None or prompt_tokens + max_new_tokens <= limit:
+        return None
+    return (f"warning: the prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) is "
+            f"{prompt_tokens + max_new_tokens} tokens, more than the model's max_position_embeddings ({limit}): "
+            "positions past it were not trained and the text may degrade")
 
 
 def _has_gdn(model) -> bool:
@@ -288,6 +361,7 @@ def load_draft(args, target, device, dtype):
     k = args.num_draft_tokens
     if args.draft == "prompt-lookup":
         return None, f"prompt lookup, {k} tokens"
+    check_draft(args)
     if args.draft == "self":
         draft, what = target, "the model itself"
     else:
@@ -308,11 +382,16 @@ def load_draft(args, target, device, dtype):
 # ---------------------------------------------------------------------------------- running
 @dataclass
 class RunResult:
-    """One timed ``generate`` call: its new token ids, seconds, and (speculative) stats."""
+    """The timed ``generate`` calls of one run: the last call's new token ids, the median
+    seconds, the (speculative) stats of the last call, and every call's seconds, with the
+    process CPU time and wall time over all of them (for :func:`busy_note`)."""
 
     new_tokens: torch.Tensor
     seconds: float
     stats: object | None = None
+    times: tuple[float, ...] = ()
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -348,7 +427,7 @@ class _StopAt:
 
 def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | None = None) -> RunResult:
     """Run ``model.generate`` on ``input_ids [1, L]`` once untimed (``--warmup`` tokens), then
-    timed with a progress bar.
+    ``--repeats`` times timed, each with a progress bar; the result holds the median time.
 
     ``speculative`` holds the draft arguments (``prompt_lookup_num_tokens`` or
     ``assistant_model``); when given, ``model`` must be converted, and a fresh
@@ -374,28 +453,84 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
                 warm["stopping_criteria"] = StoppingCriteriaList([_StopAt(input_ids.shape[1] + args.warmup)])
                 warm["max_new_tokens"] = args.max_new_tokens
             model.generate(input_ids, attention_mask=mask, **warm)
-        extra = {}
-        if speculative is not None and not graphed:
-            cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
-            extra[cache_kwarg(model)] = cache
-        streamer = ProgressStreamer(args.max_new_tokens, desc=desc, disable=args.quiet)
-        if args.do_sample:
-            torch.manual_seed(args.seed)
-        _sync(input_ids.device)
-        start = time.perf_counter()
-        try:
-            out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **kw, **extra)
+        times, cpu_s = [], 0.0
+        for i in range(args.repeats):
+            extra = {}
+            if speculative is not None and not graphed:
+                cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
+                extra[cache_kwarg(model)] = cache
+            label = desc if args.repeats == 1 else f"{desc} {i + 1}/{args.repeats}"
+            streamer = ProgressStreamer(args.max_new_tokens, desc=label, disable=args.quiet)
+            if args.do_sample:
+                torch.manual_seed(args.seed)
             _sync(input_ids.device)
-        finally:
-            streamer.bar.close()
-        seconds = time.perf_counter() - start
+            cpu0, start = time.process_time(), time.perf_counter()
+            try:
+                out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **kw, **extra)
+                _sync(input_ids.device)
+            finally:
+                streamer.bar.close()
+            times.append(time.perf_counter() - start)
+            cpu_s += time.process_time() - cpu0
     stats = None
     if speculative is not None:
         stats = model._recoverssm["graph_cache"].cache.stats if graphed else extra[cache_kwarg(model)].stats
-    return RunResult(out[0, input_ids.shape[1]:].cpu(), seconds, stats)
+    return RunResult(out[0, input_ids.shape[1]:].cpu(), statistics.median(times), stats, tuple(times), cpu_s,
+                     sum(times))
 
 
 # ---------------------------------------------------------------------------------- output
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | None, cpus: int) -> str | None:
+    """A note when the machine looked busy during the timed calls, or None.
+
+    Two signs, each sound on its own:
+
+    * on a CPU device (``device_type == "cpu"``), process CPU time (all threads) below
+      ``BUSY_CPU_FRACTION`` (half) of the wall time. A ``generate`` call there is computation
+      in this process, with no device or disk to wait for: on a free machine at least one of
+      its threads is running at every moment, so CPU time is at least about the wall time (more
+      with torch's intra-op threads). Less than half means the process was runnable but not
+      running for over half the time: other processes had the cores. On CUDA the host sleeps in
+      synchronisations while the GPU works, so the ratio says nothing there and is not used;
+    * on any device, a 1-minute load average (runnable processes, this one included) above the
+      number of CPUs this process may use: more work than cores.
+
+    The timings are then inflated by the wait and say little about the code.
+    """
+    why = []
+    if device_type == "cpu" and wall_s > 0 and cpu_s < BUSY_CPU_FRACTION * wall_s:
+        why.append(f"this process ran on a CPU for only {cpu_s / wall_s:.0%} of the timed wall time "
+                   f"({cpu_s:.2f} s of {wall_s:.2f} s)")
+    if load_1min is not None and load_1min > cpus:
+        why.append(f"the 1-minute load average ({load_1min:.1f}) exceeds the {cpus} usable CPUs")
+    if not why:
+        return None
+    return ("note: the machine looks busy (" + "; ".join(why) + "): other processes competed for the CPUs, "
+            "so the times above are inflated and their ratios uncertain")
+
+
+def _load_1min() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _timing_row(name: str, r: RunResult) -> tuple[str, str]:
+    calls = "1 call" if len(r.times) == 1 else f"median of {len(r.times)} calls"
+    return (f"tokens/s, {name}", f"{r.tokens_per_s:.1f} ({r.new_tokens.numel()} tokens in {r.seconds:.3f} s, "
+                                  f"{calls})")
+
+
+
 def printable(text: str) -> str:
     """``text`` with control characters (other than newline and tab) escaped, for a terminal."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
@@ -425,21 +560,18 @@ def _stats_rows(stats) -> list[tuple[str, str]]:
 
 # ---------------------------------------------------------------------------------- main
 def _setup(args):
-    """Quiet transformers, pick the device and dtype, and make fp32 matmuls IEEE (no TF32)."""
+    """Quiet transformers, pick the dtype, and make fp32 matmuls IEEE (no TF32)."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     if args.quiet:
         transformers.utils.logging.disable_progress_bar()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {args.device}: CUDA is not available on this machine")
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:  # fp32 runs are exact: keep TF32 out of matmuls, convs and Triton dots
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    return device, dtype
+    return dtype
 
 
 def _release_memory() -> None:
@@ -451,18 +583,32 @@ def _release_memory() -> None:
 def run(args) -> int:
     """Run ``ssm-spec generate`` for parsed ``args``; print the text and the table.
 
+    Every argument is checked first (nothing loads for a bad one); then the model loads once
+    and three runs are timed on it: plain transformers (as loaded), then, after
+    ``apply_recoverssm`` converts it in place, without drafts and with drafts.
+
     Returns the exit status: 0, or 1 when ``--check`` finds tokens that differ from plain greedy.
 
     Raises:
         CLIError: a usage error, a missing checkpoint, a model that is not Qwen3-Next / Qwen3.5.
     """
     from .apply import apply_recoverssm
+    from .tiny import tiny_config
 
     _validate(args)
-    device, dtype = _setup(args)
-    check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
+    device = check_device(args.device)
+    config = check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
+    check_draft(args)
+    dtype = _setup(args)
     tokenizer = load_tokenizer(args)
+    input_ids = tokenizer.encode(args.prompt, device)
+    warning = length_warning(input_ids.shape[1], args.max_new_tokens,
+                             max_positions(config if config is not None else tiny_config(TINY_KIND)))
+    if warning:
+        print(warning, file=sys.stderr)
+
     model, model_desc = load_model(args, device, dtype)
+    plain = timed_generate(model, input_ids, args, desc="plain transformers")
     try:
         apply_recoverssm(model)
     except ValueError as exc:
@@ -472,46 +618,49 @@ def run(args) -> int:
         apply_recoverssm(model, cuda_graphs=graphs)
     except ValueError as exc:
         raise CLIError(f"--cuda-graphs: {exc}") from exc
+    converted = timed_generate(model, input_ids, args, desc="converted, no drafts")
     draft, draft_desc = load_draft(args, model, device, dtype)
-    input_ids = tokenizer.encode(args.prompt, device)
     speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
                    else {"assistant_model": draft})
-    spec = timed_generate(model, input_ids, args, desc="speculative", speculative=speculative)
+    spec = timed_generate(model, input_ids, args, desc="converted, with drafts", speculative=speculative)
     del model, draft, speculative
     _release_memory()
 
-    plain = None
-    if args.check:
-        reference, _ = load_model(args, device, dtype)  # a second, unconverted copy
-        plain = timed_generate(reference, input_ids, args, desc="plain greedy")
-        del reference
-        _release_memory()
-
+    if args.model is None:
+        print(RANDOM_WEIGHTS_NOTE)
     print(printable(tokenizer.decode(spec.new_tokens)))
     print()
+    runs = (plain, converted, spec)
     rows = [
         ("model", model_desc),
         ("draft", draft_desc),
         ("device / dtype", f"{device} / {args.dtype}, {'sampling' if args.do_sample else 'greedy'}"
                            + ((", CUDA graphs" if device.type == "cuda" else ", graphed forward run eagerly (no CUDA)")
                               if graphs else "")),
+        ("torch threads", f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op "
+                          f"({usable_cpus()} usable CPUs)"),
         ("new tokens", str(spec.new_tokens.numel())),
-        ("seconds", f"{spec.seconds:.3f}"),
-        ("tokens/s", f"{spec.tokens_per_s:.1f}"),
+        _timing_row("plain transformers", plain),
+        _timing_row("converted, no drafts", converted),
+        _timing_row("converted, with drafts", spec),
+        ("speed-up over transformers", f"{spec.tokens_per_s / plain.tokens_per_s:.2f}x (tokens/s of converted, "
+                                       "with drafts / tokens/s of plain transformers)"),
+        ("speed-up from drafts", f"{spec.tokens_per_s / converted.tokens_per_s:.2f}x (tokens/s of converted, with "
+                                 "drafts / tokens/s of converted, no drafts)"),
         *_stats_rows(spec.stats),
     ]
     status = 0
-    if plain is not None:
+    if args.check:
         equal = torch.equal(spec.new_tokens, plain.new_tokens)
-        rows += [
-            ("plain greedy tokens/s", f"{plain.tokens_per_s:.1f} ({plain.new_tokens.numel()} tokens in "
-                                      f"{plain.seconds:.3f} s; speed-up {spec.tokens_per_s / plain.tokens_per_s:.2f}x)"),
-            ("tokens equal plain greedy", "yes" if equal else f"no (first difference at new token "
-                                                               f"{_first_diff(spec.new_tokens, plain.new_tokens)})"),
-        ]
+        rows.append(("tokens equal plain greedy", "yes" if equal else f"no (first difference at new token "
+                                                                      f"{_first_diff(spec.new_tokens, plain.new_tokens)})"))
         if not equal:
             status = 1
     print(format_table(rows))
+    busy = busy_note(sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs), device.type, _load_1min(),
+                     usable_cpus())
+    if busy:
+        print(busy)
     if status and dtype != torch.float32:
         print(f"note: in {args.dtype} the converted layers and transformers' own layers round differently, so "
               "greedy tokens can diverge; the tokens are equal in float32")
@@ -530,5 +679,6 @@ def main(args) -> int:
     try:
         return run(args)
     except CLIError as exc:
-        print(f"ssm-spec generate: error: {exc}", file=sys.stderr)
+        message = re.sub(r"\s*\n\s*", " ", str(exc).strip())  # one line, whatever the cause's text held
+        print(f"ssm-spec generate: error: {message}", file=sys.stderr)
         return 2
