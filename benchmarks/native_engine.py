@@ -82,7 +82,9 @@ def native_engine_verify(q, k, v, g, beta, state, state_indices, num_accepted_to
         state_indices: ``[B, W]`` int32: row ``b``'s slot for the state after window token
             ``t`` (the engine's per-draft slots); the checkpoint is read from column
             ``num_accepted_tokens[b] - 1``.
-        num_accepted_tokens: ``[B]`` int32, tokens accepted in the previous step (>= 1).
+        num_accepted_tokens: ``[B]`` int32, contiguous, tokens accepted in the previous step:
+            at least 1 (the engine's contract; the kernel reads the slot column ``n - 1``
+            before checking ``n``, as a baseline it does no more than the engine does).
         out: ``[B * W, HV, V]`` output buffer, written.
         scale: query scale (float).
     """

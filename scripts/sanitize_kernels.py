@@ -3,8 +3,8 @@
 Runs each kernel through its launcher (no host validation, so wild metadata reaches the
 kernels) on cases that stress the bounds: padding rows (slot < 0), empty and ragged windows,
 counts 0..W and past the window (clamped), out-of-range slots (skipped), boundary entries
-(some out of range), a masked last V tile (V not a multiple of BV), every tile the tables or
-the tuning use, the fold with a previous window, the grouped commit, bf16 pools. The state
+(some out of range), a masked last V tile (V not a multiple of BV), each kernel's table tile
+and the tiles 8/1 and 32/2, the fold with a previous window, the grouped commit, bf16 pools. The state
 pool sits inside a larger NaN-poisoned buffer and the script checks that nothing outside the
 slots it may write changed. Meant to be run as::
 

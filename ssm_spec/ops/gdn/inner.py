@@ -30,8 +30,8 @@ import triton.language as tl
 
 #: Epsilon of the q/k L2 normalisation (docs/design.md section 2.1).
 L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
-#: Halving steps :func:`kdot`'s fold unrolls (enough for ``BK`` up to 2**12).
-LOG2_MAX_BK: tl.constexpr = tl.constexpr(12)
+#: Halving steps :func:`kdot`'s fold unrolls (a bound, not a cost: enough for any ``BK`` a tile can hold, 2**20).
+LOG2_MAX_BK: tl.constexpr = tl.constexpr(20)
 
 
 @triton.jit

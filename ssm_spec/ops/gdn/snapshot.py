@@ -2,8 +2,8 @@
 
 Reads each row's source slot and, after every token ``t``, writes the state into
 ``snapshot_indices[t]`` (``< 0``: not written). Runs the same Triton kernel body as verify
-(:func:`~ssm_spec.ops.gdn.verify.gdn_window_kernel`), so with the shared tile configuration its
-states are the ones commit reproduces bit for bit.
+(:func:`~ssm_spec.ops.gdn.verify.gdn_window_kernel`, its ``STORE_SNAPSHOTS`` mode, on its own tile:
+bits do not depend on the tile), so its states are the ones commit reproduces bit for bit.
 """
 
 from __future__ import annotations

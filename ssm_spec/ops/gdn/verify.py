@@ -206,12 +206,12 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
     if B == 0:
         return
     # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
-    # strides of contiguous records / indices), so both modes share one specialization.
+    # strides of contiguous records / indices); the modes themselves are constexprs.
     if record is not None:
         ru, rk, rd = record
         rec_strides = (*ru.stride(), *rk.stride(), *rd.stride())
     else:
-        ru = rk = rd = g  # an fp32 pointer; never written when store_record == 0
+        ru = rk = rd = g  # an fp32 pointer; never written without STORE_RECORD
         rec_strides = (HV * V, V, 1, H * K, K, 1, HV, 1)
     if snapshot_indices is not None:
         snap, snap_stride = snapshot_indices, snapshot_indices.stride(0)
@@ -221,7 +221,7 @@ def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, sna
         pru, prk, prd, pstart, pn = fold
         TP = pru.shape[0]
         fold_strides = (*pru.stride(), *prk.stride(), *prd.stride(), pstart.stride(0), pn.stride(0))
-    else:  # dummies of the same kinds as the real ones (one specialization)
+    else:  # dummies of the same kinds as the real ones (never read without FOLD)
         pru, prk, prd, pstart, pn, TP = ru, rk, rd, src_indices, src_indices, 0
         fold_strides = (HV * V, V, 1, H * K, K, 1, HV, 1, 1, 1)
     grid = (triton.cdiv(V, BV), B * HV)
