@@ -28,6 +28,18 @@ class Check:
     ok: bool
 
 
+
+def _window_inputs(T, H, HV, K, V, gen, device):
+    """Fresh GDN window inputs: ``q, k [T, H, K]`` and ``v [T, HV, V]`` as strided views of one
+    conv-output-like buffer, an fp32 log decay ``g`` and ``beta [T, HV]``."""
+    buf = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device)
+    q = buf[:, : H * K].unflatten(1, (H, K))
+    k = buf[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v = buf[:, 2 * H * K :].unflatten(1, (HV, V))
+    g = (-torch.nn.functional.softplus(torch.randn(T, HV, generator=gen))).to(device)
+    beta = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device)
+    return q, k, v, g, beta
+
 def _rel(a, b) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
@@ -43,12 +55,7 @@ def _gdn_checks(device, state_dtype, seed) -> list[Check]:
         qsl_l.append(qsl_l[-1] + n)
     T = qsl_l[-1]
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    buf = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device)
-    q = buf[:, : H * K].unflatten(1, (H, K))
-    k = buf[:, H * K : 2 * H * K].unflatten(1, (H, K))
-    v = buf[:, 2 * H * K :].unflatten(1, (HV, V))
-    g = (-torch.nn.functional.softplus(torch.randn(T, HV, generator=gen))).to(device)
-    beta = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device)
+    q, k, v, g, beta = _window_inputs(T, H, HV, K, V, gen, device)
     pool = (torch.randn(S, HV, K, V, generator=gen) * 0.5).to(device=device, dtype=state_dtype)
     qsl, src = i32(qsl_l), i32(srcs)
     sd = str(state_dtype).replace("torch.", "")
@@ -102,12 +109,7 @@ def _gdn_checks(device, state_dtype, seed) -> list[Check]:
     checks.append(Check("gdn_verify_functional", dev, sd, "== verify (out, record; bitwise)", str(same), same))
 
     # the previous window (the record above) committed and the next window verified in one call
-    buf2 = torch.randn(T, 2 * H * K + HV * V, generator=gen).to(device)
-    q2 = buf2[:, : H * K].unflatten(1, (H, K))
-    k2 = buf2[:, H * K : 2 * H * K].unflatten(1, (H, K))
-    v2 = buf2[:, 2 * H * K :].unflatten(1, (HV, V))
-    g2 = (-torch.nn.functional.softplus(torch.randn(T, HV, generator=gen))).to(device)
-    beta2 = torch.sigmoid(torch.randn(T, HV, generator=gen)).to(device)
+    q2, k2, v2, g2, beta2 = _window_inputs(T, H, HV, K, V, gen, device)
     counts = i32([min(b + 1, n) if s >= 0 else 0 for b, (n, s) in enumerate(zip(lengths, srcs))])
     separate = pool.clone()
     ops.gdn_commit(separate, rec, qsl, src, counts)
