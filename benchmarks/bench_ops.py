@@ -66,6 +66,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -99,8 +100,6 @@ GIB = 1 << 30
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 FMA_CHAINS = 4  # independent FMA chains per element in the FMA kernel
 
@@ -403,7 +402,7 @@ class BatchWorkload:
             "snapshot": self.snapshot,
             "folded": self.folded,
         }
-        if triton is not None and self.pool.device.type == "cuda" or _interpreting():
+        if triton is not None and (self.pool.device.type == "cuda" or _interpreting()):
             calls["native_engine"] = self.native_engine
         if self.peer is not None:
             calls["fla"] = self.fla

@@ -306,8 +306,6 @@ def gdn_tile_config(K: int, V: int, kernel: str = "verify",
     entries = TILES.get((K, V, state_dtype), {}).get(kernel)
     if not entries:
         return _default_tile(K, V)
-    for max_batch, bv, warps in entries:
-        if max_batch is None or (batch is not None and batch <= max_batch):
-            return block_k(K), bv, warps
-    _, bv, warps = entries[-1]  # a batch past every bound: the last (largest) entry
+    # every table ends with a ``None`` bound (tested), so a batch past every bound takes it
+    _, bv, warps = next(e for e in entries if e[0] is None or (batch is not None and batch <= e[0]))
     return block_k(K), bv, warps
