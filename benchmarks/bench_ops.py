@@ -87,13 +87,20 @@ except ImportError:  # no Triton: the CPU smoke test still runs (torch FMA loop)
     triton = tl = None
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot", "native_engine", "folded")
+KERNELS = ("verify", "commit_nW", "commit_n1", "snapshot", "native_engine", "folded", "closed_form_verify",
+           "closed_form_folded", "lazy")
+#: Fast mode's lazy commit as benchmarked: ``max_pending`` and the accepted tokens per step
+#: (``W - 1``: 3 of 4 at k=3); its time is the mean over one fold cycle (:func:`lazy_phases`).
+LAZY_MAX_PENDING = 16
 PEER_KERNELS = ("fla", "fla_contig")
 LABELS = {
     "verify": "verify", "commit_nW": "commit n=W", "commit_n1": "commit n=1",
     "snapshot": "snapshot (native)",
     "folded": "folded verify (n_prev=W)",
     "native_engine": "engine's native kernel (8-wide V slice, 1 warp)",
+    "closed_form_verify": "closed-form verify (fast)",
+    "closed_form_folded": "closed-form folded (fast, n_prev=W)",
+    "lazy": f"lazy (fast, L={LAZY_MAX_PENDING}, W-1 accepted)",
     "fla": "fla fused_recurrent", "fla_contig": "fla fused_recurrent, contiguous h0",
 }
 GIB = 1 << 30
@@ -130,6 +137,12 @@ BYTES_MODEL = {
            "indexed (an fla taking ssm_state_indices): B * slot + act_in + out + B * slot",
     "fla_contig": "B * slot + act_in + out + B * slot32  (fla on the rows' slots as one "
                   "contiguous block: no gather)",
+    "closed_form_verify": "as verify (fast mode: the state read once, contracted in closed form)",
+    "closed_form_folded": "as folded with the ring's records: the checkpoint read, the fold of the W pending "
+                          "tokens stored once, the window verified (max_pending = 1, all W accepted)",
+    "lazy": "mean over one fold cycle (max_pending = 16, W - 1 accepted per step) of: B * slot + act_in + out + "
+            "T * record_per_token + B * p * record_per_token (read the p pending records), plus B * slot on the "
+            "step that folds",
     "copy": "2 * nbytes  (read + write)",
 }
 
@@ -145,6 +158,10 @@ OPS_MODEL = {
     "folded": "2 * B * W * E + 4 * T * E  (fold of the W previous tokens, then the verify)",
     "fla": "4 * T * E",
     "fla_contig": "4 * T * E",
+    "closed_form_verify": "2 * T * E  (the window's 2W keys and queries against the state; the W x W solve and "
+                          "the q/k Gram rows are O(W^2 (K + V)) per head and left out)",
+    "closed_form_folded": "2 * B * W * E + 2 * T * E",
+    "lazy": "2 * T * E per step, plus 2 * B * p * E on the step that folds p tokens (cycle mean)",
     "fma": f"n * iters * {FMA_CHAINS} FMAs on n fp32 elements (CPU: n * iters addcmul ops)",
     "roofline": "floor_us = max(bytes / copy bandwidth, ops / FMA rate); "
                 "frac_roofline = floor_us / time_us; bound: which term sets the floor",
@@ -191,6 +208,11 @@ class Shape:
             "fla_contig": B * slot + act_in + out + B * slot32,
         }
         moved["native_engine"] = moved["snapshot"]  # the same traffic, the engines' structure
+        moved["closed_form_verify"] = moved["verify"]
+        moved["closed_form_folded"] = moved["folded"]
+        phases = lazy_phases(W)
+        moved["lazy"] = sum(B * slot + act_in + out + T * rec_tok + B * p * rec_tok + (B * slot if fold else 0)
+                            for p, fold in phases) / len(phases)
         if peer_mode == "indexed":
             moved["fla"] = 2 * B * slot + act_in + out
         else:
@@ -211,7 +233,35 @@ class Shape:
             "fla_contig": 4 * T * E,
         }
         ops["native_engine"] = ops["snapshot"]
+        ops["closed_form_verify"] = 2 * T * E
+        ops["closed_form_folded"] = 2 * B * W * E + 2 * T * E
+        phases = lazy_phases(W)
+        ops["lazy"] = sum(2 * T * E + (2 * B * p * E if fold else 0) for p, fold in phases) / len(phases)
         return ops
+
+
+def ring_memory(shape: Shape, W: int) -> dict:
+    """The lazy commit's records per slot as a fraction of one fp32 state, for max_pending
+    L = 4, 8, 16: ``pending`` (the L records a slot keeps) and ``ring`` (the positions it
+    allocates, ``max(L, W) + W``)."""
+    from ssm_spec.ops.gdn.closed_form import ring_positions
+
+    state = shape.HV * shape.K * shape.V * 4
+    tok = shape.record_bytes_per_token
+    return {L: {"pending": L * tok / state, "ring": ring_positions(L, W) * tok / state} for L in (4, 8, 16)}
+
+
+def lazy_phases(W: int, max_pending: int = LAZY_MAX_PENDING) -> list[tuple[int, bool]]:
+    """One fold cycle of the lazy commit with ``W - 1`` tokens accepted per step: the pending
+    count ``p`` at each step's verify and whether that step folds (``p > 0 and p + W >
+    max_pending``); e.g. W=4, 16: p = 0, 3, 6, 9, 12 read the state only, p = 15 folds."""
+    accepted, p, phases = max(W - 1, 1), 0, []
+    while True:
+        fold = p > 0 and p + W > max_pending
+        phases.append((p, fold))
+        if fold:
+            return phases
+        p += accepted
 
 
 def aligned_rows(values: torch.Tensor) -> list[torch.Tensor]:
@@ -304,6 +354,22 @@ class BatchWorkload:
         self.prev_start = torch.arange(B, **i32) * W  # row b's previous window: tokens [bW, bW + W)
         self.n_act = n_act
 
+        # Fast mode: per-slot record rings (random records; the kernels' time does not depend
+        # on their values), ``max_pending = 1`` for the folded form, 16 for the lazy commit.
+        from ssm_spec.ops.gdn.closed_form import RecordRing, ring_positions
+
+        S = pool.shape[0]
+        self.ring = {}
+        for name, max_pending in (("closed_form_folded", 1), ("lazy", LAZY_MAX_PENDING)):
+            R = ring_positions(max_pending, W)
+            ring = RecordRing.zeros(S, R, H, HV, K, V, dev)
+            ring.u.normal_()
+            ring.k.normal_()
+            ring.k.div_(ring.k.norm(dim=-1, keepdim=True))
+            ring.g.normal_().abs_().neg_()
+            self.ring[name] = (ring, max_pending)
+        self.zeros_b = torch.zeros(B, **i32)
+
         # Real records for the commits and the fold: one verify per activation copy (also
         # compiles), plus a separate previous-step copy when there is a single one.
         for j in range(n_act):
@@ -360,6 +426,25 @@ class BatchWorkload:
                                              self.out[j], *self.record[j], *prev,
                                              self.prev_start, self.n_all, self.scale, True)
 
+    def closed_form_verify(self, i: int) -> None:
+        j = i % self.n_act
+        torch.ops.ssm_spec.gdn_closed_form_verify(*self.window[j], self.pool, self.src[i], self.qsl, self.out[j],
+                                                  *self.record[j], self.W, self.scale, True)
+
+    def lazy_verify(self, i: int, name: str, count: torch.Tensor) -> None:
+        """Fast mode's folded verify on ring ``name`` with every row ``count`` tokens pending from
+        ring position 0 (the kernel reads the counts; the pool's commit would move them)."""
+        j = i % self.n_act
+        ring, max_pending = self.ring[name]
+        torch.ops.ssm_spec.gdn_closed_form_folded_verify(*self.window[j], self.pool, self.src[i], self.qsl,
+                                                         self.out[j], *ring, self.zeros_b, count, self.W,
+                                                         max_pending, self.scale, True)
+
+    def lazy_calls(self) -> dict:
+        """``{p: call}`` over one fold cycle of the lazy commit (:func:`lazy_phases`)."""
+        counts = {p: torch.full_like(self.zeros_b, p) for p, _ in lazy_phases(self.W)}
+        return {p: (lambda i, c=c: self.lazy_verify(i, "lazy", c)) for p, c in counts.items()}
+
     def fla(self, i: int):
         """fla-core over the same rows and window; states by index (see :class:`Peer`)."""
         j, peer = i % self.n_act, self.peer
@@ -401,6 +486,8 @@ class BatchWorkload:
             "commit_n1": lambda i: self.commit(i, self.n_one),
             "snapshot": self.snapshot,
             "folded": self.folded,
+            "closed_form_verify": self.closed_form_verify,
+            "closed_form_folded": lambda i: self.lazy_verify(i, "closed_form_folded", self.n_all),
         }
         if triton is not None and (self.pool.device.type == "cuda" or _interpreting()):
             calls["native_engine"] = self.native_engine
@@ -629,6 +716,10 @@ def run(args) -> dict:
             for name, call in work.calls().items():
                 us, how = timer.time_call(call, n_sets)
                 kernels[name] = kernel_stats(us, moved[name], ops[name], copy, fma, how)
+            phase_us = {p: timer.time_call(call, n_sets)[0] for p, call in work.lazy_calls().items()}
+            kernels["lazy"] = kernel_stats(statistics.mean(phase_us.values()), moved["lazy"], ops["lazy"], copy, fma,
+                                           how)
+            kernels["lazy"]["phase_us"] = {str(p): us for p, us in phase_us.items()}
             t = {name: kernels[name]["time_us"] for name in kernels}
             snap = t["snapshot"]
             row = {
@@ -650,6 +741,11 @@ def run(args) -> dict:
                                                  if "native_engine" in t else None),
                 "ratio_folded_over_native_engine": (t["folded"] / t["native_engine"]
                                                     if "native_engine" in t else None),
+                "ratio_closed_form_vcW_over_snapshot": (t["closed_form_verify"] + t["commit_nW"]) / snap,
+                "ratio_closed_form_folded_over_snapshot": t["closed_form_folded"] / snap,
+                "ratio_lazy_over_snapshot": t["lazy"] / snap,
+                "ratio_lazy_over_native_engine": t["lazy"] / t["native_engine"] if "native_engine" in t else None,
+                "ratio_closed_form_verify_over_verify": t["closed_form_verify"] / t["verify"],
                 "bytes_ratio_vcW_over_snapshot":
                     (moved["verify"] + moved["commit_nW"]) / moved["snapshot"],
                 "bytes_ratio_vc1_over_snapshot":
@@ -679,7 +775,8 @@ def run(args) -> dict:
             "H": shape0.H, "HV": shape0.HV, "K": shape0.K, "V": shape0.V,
             "state_dtype": args.state_dtype, "act_dtype": args.act_dtype,
             "tiles_BK_BV_warps": {kernel: {B: tile_config(shape0, kernel, B) for B in args.batches}
-                                  for kernel in ("verify", "snapshot", "commit")},
+                                  for kernel in ("verify", "snapshot", "commit", "closed_form")},
+            "lazy_max_pending": LAZY_MAX_PENDING,
             "pool_slots": num_slots, "slot_bytes": shape0.slot_bytes,
             "pool_bytes": num_slots * shape0.slot_bytes,
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
@@ -693,6 +790,7 @@ def run(args) -> dict:
         "record_bytes_per_token": shape0.record_bytes_per_token,
         "record_bytes_per_token_over_state":
             shape0.record_bytes_per_token / (shape0.HV * shape0.K * shape0.V * 4),
+        "ring_bytes_per_slot_over_state": ring_memory(shape0, max(s.W for s in shapes)),
         "peer": {"name": "fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule",
                  "available": peer is not None, "mode": getattr(peer, "mode", None),
                  "fla_core_version": getattr(peer, "version", None), "note": peer_note},
@@ -708,7 +806,8 @@ def run(args) -> dict:
 SHORT = {"verify": ("verify", "ver"), "commit_nW": ("commit_W", "cW"),
          "commit_n1": ("commit_1", "c1"), "snapshot": ("snapshot", "snap"),
          "folded": ("folded", "fold"), "fla": ("fla", "fla"), "fla_contig": ("fla_cont", "flac"),
-         "native_engine": ("engine", "eng")}
+         "native_engine": ("engine", "eng"), "closed_form_verify": ("cf_verify", "cfv"),
+         "closed_form_folded": ("cf_folded", "cff"), "lazy": ("lazy", "lazy")}
 
 
 def print_table(res: dict) -> None:
@@ -750,6 +849,20 @@ def print_table(res: dict) -> None:
                   f"| {r['ratio_vcW_over_snapshot']:8.3f} {r['ratio_vc1_over_snapshot']:8.3f} "
                   f"{r['ratio_folded_over_snapshot']:7.3f} {r['ratio_folded_over_vcW']:11.3f} "
                   f"{_ratio(r['ratio_vcW_over_native_engine']):>10} {_ratio(r['ratio_folded_over_native_engine']):>8}")
+        if any("lazy" in r["kernels"] for r in rows):
+            print(f"fast mode (k={kv}): {'B':>5} | {'cfv %copy':>9} {'cfv/ver':>7} | {'(cfv+cW)/s':>10} "
+                  f"{'cff/s':>6} {'lazy/s':>6} {'lazy/eng':>8}")
+            for r in rows:
+                cfv = r["kernels"]["closed_form_verify"]
+                print(f"{'':>19}{r['batch']:>5} | {100 * cfv['frac_copy_bw']:8.0f}% "
+                      f"{r['ratio_closed_form_verify_over_verify']:7.3f} | "
+                      f"{r['ratio_closed_form_vcW_over_snapshot']:10.3f} "
+                      f"{r['ratio_closed_form_folded_over_snapshot']:6.3f} {r['ratio_lazy_over_snapshot']:6.3f} "
+                      f"{_ratio(r['ratio_lazy_over_native_engine']):>8}")
+    if "ring_bytes_per_slot_over_state" in res:
+        print("lazy record ring per slot / fp32 state: " + ", ".join(
+            f"L={L}: {100 * f['pending']:.1f}% pending ({100 * f['ring']:.1f}% with the window's positions)"
+            for L, f in res["ring_bytes_per_slot_over_state"].items()))
 
 
 def _ratio(x) -> str:
@@ -758,9 +871,11 @@ def _ratio(x) -> str:
 
 #: The ratio panels of the plot: (top row key, bottom row key, the baseline's name).
 RATIO_PANELS = (("ratio_vcW_over_snapshot", "ratio_folded_over_snapshot", "snapshot"),
-                ("ratio_vcW_over_native_engine", "ratio_folded_over_native_engine", "engine kernel"))
+                ("ratio_vcW_over_native_engine", "ratio_folded_over_native_engine", "engine kernel"),
+                ("ratio_closed_form_folded_over_snapshot", "ratio_lazy_over_snapshot", "snapshot"))
 RATIO_TITLES = {"ratio_vcW_over_snapshot": "(verify + commit n=W)", "ratio_folded_over_snapshot": "folded",
-                "ratio_vcW_over_native_engine": "(verify + commit n=W)", "ratio_folded_over_native_engine": "folded"}
+                "ratio_vcW_over_native_engine": "(verify + commit n=W)", "ratio_folded_over_native_engine": "folded",
+                "ratio_closed_form_folded_over_snapshot": "fast folded", "ratio_lazy_over_snapshot": "lazy"}
 
 
 def save_plot(res: dict, path: Path) -> bool:

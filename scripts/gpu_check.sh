@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-fast] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
@@ -73,6 +73,17 @@ for part in $PARTS; do
         python3 scripts/tune_gdn.py --batch "$b" --k "$k" --state-dtype "$dt" ${tiles:+--tiles "$tiles"} \
           --out "$OUT/tune/$name.json" > "$OUT/tune/$name.log" 2>&1
         summary+=("$name: $(grep -E "^fastest|bit-identical" "$OUT/tune/$name.log" | tr '\n' ';')")
+      done
+      ;;
+    tune-fast)  # fast mode's closed-form kernel: tiles per batch and window, bits across tiles
+      # TUNE_FAST_RUNS="batches windows dtype tiles;..." (tiles 'BV:warps,...')
+      IFS=';' read -ra runs <<< "${TUNE_FAST_RUNS:-64 2,4,8 float32 8:1,16:1,32:1,32:2,64:2,64:4;64 4 bfloat16 16:1,32:1,32:2,64:2}"
+      for r in "${runs[@]}"; do
+        read -r b w dt tiles <<< "$r"
+        name="tune_fast_b${b//,/-}_w${w//,/-}_$dt"
+        python3 scripts/tune_closed_form.py --batch "$b" --windows "$w" --state-dtype "$dt" ${tiles:+--tiles "$tiles"} \
+          --out "$OUT/tune/$name.json" > "$OUT/tune/$name.log" 2>&1
+        summary+=("$name: $(grep -E "^best|FAIL" "$OUT/tune/$name.log" | tr '\n' ';')")
       done
       ;;
     ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)

@@ -11,6 +11,11 @@ and queries, unrolling ``S_t = d_t S_{t-1} + k̂_t u_t^T`` gives
   solved here by forward substitution;
 * ``o_t = exp(G_t) S0^T q̂_t + sum_{j<=t} exp(G_t - G_j) (k̂_j . q̂_t) u_j``.
 
+A pending history (the lazy commit: ``P`` accepted tokens whose records ``(u_j, k̂_j, g_j)`` are
+known but not yet written into ``S0``) is the same sum over a longer sequence: the window's
+tokens follow the history's, the cumulative decays run over both, and the history's ``u_j``
+are given rather than solved.
+
 The state enters only through ``K S0`` and ``Q S0`` (one ``[2W, K] x [K, V]`` product per value
 head). Decays are always ``exp`` of a *difference* of cumulative log decays (at most 1 in the
 causal region), never ``exp(G_t) * exp(-G_j)``, which overflows to ``0 * inf`` on strongly gated
@@ -38,6 +43,7 @@ def gdn_closed_form_step(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     dtype: torch.dtype | None = None,
+    history: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> GDNNativeResult:
     """Solve one window of ``T`` tokens in closed form from ``initial_state`` (module docstring).
 
@@ -48,12 +54,15 @@ def gdn_closed_form_step(
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm: normalise q and k (``x / sqrt(sum(x*x) + 1e-6)``).
         dtype: compute dtype; default float64 if any input is float64, else float32.
+        history: the pending tokens between ``initial_state`` and the window, oldest first:
+            ``(u [P, HV, V], k̂ [P, H, K], g [P, HV])`` (the lazy commit's record ring: the
+            normalised keys and the log decays, not ``exp(g)``); ``None``: no history.
 
     Returns:
         :class:`~ssm_spec.reference.GDNNativeResult` with ``out [T, HV, V]``, the replay record
         ``u [T, HV, V]``, ``khat [T, H, K]``, ``decay [T, HV]`` and ``states [1, HV, K, V]``, the
         state after the window rebuilt as ``exp(G_T) S0 + sum_j exp(G_T - G_j) k̂_j u_j^T``
-        (empty for ``T = 0``).
+        (empty for ``T = 0``); with a history, the state after history and window.
 
     Raises:
         ValueError: on inconsistent shapes.
@@ -61,24 +70,35 @@ def gdn_closed_form_step(
     T, HV, K, V = q.shape[0], v.shape[-2], q.shape[-1], v.shape[-1]
     cd, khat, qhat, vf, gf, bf, s0 = gdn_window_inputs("gdn_closed_form_step", q, k, v, g, beta, initial_state,
                                                        scale, use_qk_l2norm, dtype)
+    if history is None:
+        hu, hk, hg = vf.new_empty((0, HV, V)), khat.new_empty((0, khat.shape[1], K)), gf.new_empty((0, HV))
+    else:
+        hu, hk, hg = (x.to(cd) for x in history)
+        if hu.shape[1:] != (HV, V) or hk.shape[1:] != khat.shape[1:] or hg.shape[1:] != (HV,) or \
+                not hu.shape[0] == hk.shape[0] == hg.shape[0]:
+            raise ValueError(f"gdn_closed_form_step: history shapes u={tuple(hu.shape)} k={tuple(hk.shape)} "
+                             f"g={tuple(hg.shape)} do not fit the window's heads")
+    P = hu.shape[0]
     if T == 0:
         empty = vf.new_empty((0, HV, V))
         return GDNNativeResult(empty, s0.new_empty((0, HV, K, V)), empty, khat, torch.exp(gf))
-    kh = _expand_heads(khat, HV).transpose(0, 1)  # [HV, T, K]
-    qh = _expand_heads(qhat, HV).transpose(0, 1)
-    G = torch.cumsum(gf, 0).transpose(0, 1)  # [HV, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=G.device).tril()
-    # exp(G_t - G_j) on and below the diagonal only (a difference, <= 1 there; zero above)
+    # the whole sequence: history tokens (u known) then window tokens (u solved)
+    kh = _expand_heads(torch.cat([hk, khat]), HV).transpose(0, 1)  # [HV, P + T, K]
+    qh = _expand_heads(qhat, HV).transpose(0, 1)  # [HV, T, K]
+    G = torch.cumsum(torch.cat([hg, gf]), 0).transpose(0, 1)  # [HV, P + T]
+    N = P + T
+    causal = torch.ones(N, N, dtype=torch.bool, device=G.device).tril()
+    # exp(G_i - G_j) on and below the diagonal only (a difference, <= 1 there; zero above)
     ratio = torch.where(causal, torch.exp((G[:, :, None] - G[:, None, :]).masked_fill(~causal, 0)), 0)
-    ks0 = kh @ s0  # [HV, T, V]: the state read once, against the stacked keys ...
+    ks0 = kh[:, P:] @ s0  # [HV, T, V]: the state read once, against the stacked keys ...
     qs0 = qh @ s0  # ... and queries
-    rhs = bf.transpose(0, 1)[:, :, None] * (vf.transpose(0, 1) - torch.exp(G)[:, :, None] * ks0)
-    a = bf.transpose(0, 1)[:, :, None] * ratio * (kh @ kh.transpose(1, 2))  # [HV, T, T], used below the diagonal
-    u = torch.empty_like(rhs)
-    for t in range(T):  # forward substitution of (I + A) U = rhs
-        u[:, t] = rhs[:, t] - (a[:, t, :t, None] * u[:, :t]).sum(1)
-    out = torch.exp(G)[:, :, None] * qs0 + (ratio * (qh @ kh.transpose(1, 2))) @ u
-    last = ratio[:, -1, :, None, None] * kh[:, :, :, None] * u[:, :, None, :]  # [HV, T, K, V]
+    rhs = bf.transpose(0, 1)[:, :, None] * (vf.transpose(0, 1) - torch.exp(G[:, P:])[:, :, None] * ks0)
+    a = bf.transpose(0, 1)[:, :, None] * ratio[:, P:] * (kh[:, P:] @ kh.transpose(1, 2))  # [HV, T, N], j < i used
+    u = torch.cat([hu.transpose(0, 1), torch.empty_like(rhs)], 1)  # [HV, N, V]
+    for t in range(P, N):  # forward substitution of (I + A) U = rhs over the window's rows
+        u[:, t] = rhs[:, t - P] - (a[:, t - P, :t, None] * u[:, :t]).sum(1)
+    out = torch.exp(G[:, P:])[:, :, None] * qs0 + (ratio[:, P:] * (qh @ kh.transpose(1, 2))) @ u
+    last = ratio[:, -1, :, None, None] * kh[:, :, :, None] * u[:, :, None, :]  # [HV, N, K, V]
     final = torch.exp(G[:, -1])[:, None, None] * s0 + last.sum(1)
-    return GDNNativeResult(out=out.transpose(0, 1), states=final[None], u=u.transpose(0, 1), khat=khat,
+    return GDNNativeResult(out=out.transpose(0, 1), states=final[None], u=u[:, P:].transpose(0, 1), khat=khat,
                            decay=torch.exp(gf))

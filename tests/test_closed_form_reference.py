@@ -50,3 +50,23 @@ def test_closed_form_empty_window_and_bad_shapes():
     assert res.out.shape == (0, HV, V) and res.states.shape == (0, HV, K, V)
     with pytest.raises(ValueError, match="initial_state"):
         gdn_closed_form_step(inp.q, inp.k, inp.v, inp.g, inp.beta, torch.randn(HV, K + 1, V))
+
+
+@pytest.mark.parametrize("P", [1, 3, 7])
+def test_closed_form_with_a_history_equals_the_token_loop_over_both(P):
+    """A pending history (the lazy commit's ring) is the token loop over history + window from
+    the checkpoint: outputs, corrections and the final state, float64."""
+    HV, H, K, V, W = 4, 2, 16, 12, 4
+    gen = torch.Generator().manual_seed(P)
+    inp = gdn_inputs(P + W, H, HV, K, V, "cpu", gen=gen)
+    s0 = torch.randn(HV, K, V, generator=gen, dtype=torch.float64)
+    ref = reference.gdn_native_step(inp.q, inp.k, inp.v, inp.g, inp.beta, s0, dtype=torch.float64)
+    hist = (ref.u[:P], ref.khat[:P], inp.g[:P].double())
+    w = slice(P, P + W)
+    got = gdn_closed_form_step(inp.q[w], inp.k[w], inp.v[w], inp.g[w], inp.beta[w], s0, dtype=torch.float64,
+                               history=hist)
+    assert rel_err(got.out, ref.out[w]) < 1e-12
+    assert rel_err(got.u, ref.u[w]) < 1e-12
+    assert rel_err(got.states[0], ref.states[-1]) < 1e-12
+    with pytest.raises(ValueError, match="history"):
+        gdn_closed_form_step(inp.q[w], inp.k[w], inp.v[w], inp.g[w], inp.beta[w], s0, history=(hist[0][:, :1], *hist[1:]))

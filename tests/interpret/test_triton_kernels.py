@@ -388,3 +388,46 @@ def test_native_engine_baseline_matches_reference(state_dtype):
                 tol = 1e-5 if state_dtype == torch.float32 else 1e-2
                 assert rel_err(pool[int(idx[b, t])], ref.states[t]) < tol
     assert same_bits(pool[B * W:], before[B * W:])
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 16, 24), (2, 2, 12, 20)])
+def test_closed_form_kernel_matches_cpu_twin_in_every_tile(shape):
+    """Fast mode's kernel (plain and ring: fold, history, nothing pending, an empty window) near
+    its CPU twin; bits equal across tiles (a masked V tile included); padding rows and tokens
+    outside windows untouched."""
+    from ssm_spec.ops.gdn.closed_form import RecordRing, closed_form_cpu, launch_closed_form
+
+    HV, H, K, V = shape
+    qsl = qsl_from_lengths([3, 0, 4, 2, 1], "cpu")
+    src = i32([0, 2, -1, 5, 6], "cpu")
+    T = int(qsl[-1]) + 1
+    inp = gdn_inputs(T, H, HV, K, V, "cpu")
+    pool = random_pool(7, HV, K, V, "cpu")
+    R, L = 8, 4
+    ring0 = RecordRing(*(torch.randn_like(x) for x in RecordRing.zeros(7, R, H, HV, K, V)))
+    ring0 = RecordRing(ring0.u, ring0.k / ring0.k.norm(dim=-1, keepdim=True), -ring0.g.abs())
+    start, count = i32([5, 1, 0, 3, 2], "cpu"), i32([2, 3, 0, 1, 4], "cpu")
+
+    def bufs():
+        return (torch.full((T, HV, V), NAN), (torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN),
+                                              torch.full((T, HV), NAN)))
+
+    runs = []
+    for tile in ((16, 8, 1), (16, 16, 2)):
+        out, rec = bufs()
+        launch_closed_form(*inp.args(), pool, src, qsl, out, rec, 4, K**-0.5, True, config=tile)
+        p2, r2, o2 = pool.clone(), RecordRing(*(x.clone() for x in ring0)), torch.full((T, HV, V), NAN)
+        launch_closed_form(*inp.args(), p2, src, qsl, o2, r2, 4, K**-0.5, True, pending=(start, count, L),
+                           config=tile)
+        runs.append((out, *rec, o2, p2, *r2))
+    for a, b in zip(*runs):
+        assert same_bits(a, b)
+    out_c, rec_c = bufs()
+    closed_form_cpu(*inp.args(), pool, src, qsl, out_c, rec_c, 4, K**-0.5, True)
+    p_c, r_c, o2_c = pool.clone(), RecordRing(*(x.clone() for x in ring0)), torch.full((T, HV, V), NAN)
+    closed_form_cpu(*inp.args(), p_c, src, qsl, o2_c, r_c, 4, K**-0.5, True, pending=(start, count, L))
+    for got, want in zip(runs[0], (out_c, *rec_c, o2_c, p_c, *r_c)):
+        assert torch.equal(torch.isnan(got), torch.isnan(want))
+        live = ~torch.isnan(want)
+        assert rel_err(got[live], want[live]) < 1e-5
+    assert torch.equal(runs[0][5][[1, 3, 4]], pool[[1, 3, 4]])  # slots no row names

@@ -253,7 +253,7 @@ TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int,
         "commit": ((None, 32, 2),),
     },
 }
-KERNELS = ("verify", "snapshot", "commit")
+KERNELS = ("verify", "snapshot", "commit", "closed_form")
 
 
 def _default_tile(K: int, V: int) -> tuple[int, int, int]:
@@ -292,8 +292,8 @@ def gdn_tile_config(K: int, V: int, kernel: str = "verify",
     rows (``None``: a large batch).
 
     A program holds the whole key dim (``BK = max(2, next_pow2(K))``) and a ``BV``-wide slice of
-    the value dim. ``kernel``: ``"verify"`` (verify and the folded verify), ``"snapshot"`` or
-    ``"commit"``; ``state_dtype`` is the pool's. The tile changes speed only, never bits
+    the value dim. ``kernel``: ``"verify"`` (verify and the folded verify), ``"snapshot"``,
+    ``"commit"`` or ``"closed_form"`` (fast mode's verify and its folded form); ``state_dtype`` is the pool's. The tile changes speed only, never bits
     (:data:`TILES`). Shapes not in the measured tables: :func:`_default_tile`.
 
     Raises:
