@@ -1,9 +1,9 @@
 """Benchmark the captured spec-decode step: RecoverSSM vs the native snapshot vs the folded commit.
 
-A stack of realistic-width layers (:class:`graphs.stack.DecoderStack`: hidden 2048, 8 layers
+A stack of realistic-width layers (:class:`ssm_spec.graphs.stack.DecoderStack`: hidden 2048, 8 layers
 repeating GDN x3 + attention, GDN H=16, HV=32, K=V=128, attention 16/2 heads of 128 over a
 static KV buffer with SDPA, dense SwiGLU MLP 5632, vocab 32768, bf16 weights, fp32 state)
-decodes under :class:`graphs.SpecDecodeGraphRunner` (one CUDA graph per batch bucket: every
+decodes under :class:`ssm_spec.graphs.SpecDecodeGraphRunner` (one CUDA graph per batch bucket: every
 layer's verify, greedy acceptance, the commit) at each concurrency ``B`` and draft count ``k``,
 in three pool modes over the same weights:
 
@@ -42,8 +42,8 @@ import torch
 from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug,
                       write_results)
 
-from graphs import SpecDecodeGraphRunner
-from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
+from ssm_spec.graphs import SpecDecodeGraphRunner
+from ssm_spec.graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 from ssm_spec import StatePool
 
 MODES = ("recoverssm", "snapshot", "folded")

@@ -1,9 +1,9 @@
 """Capture a Qwen3-Next-shaped stack's whole spec-decode step as CUDA graphs and replay it.
 
-Builds :class:`graphs.stack.DecoderStack` (default: realistic widths, hidden 2048, 8 layers,
+Builds :class:`ssm_spec.graphs.stack.DecoderStack` (default: realistic widths, hidden 2048, 8 layers,
 GDN 16 key / 32 value heads of dim 128, attention 16/2 heads of dim 128, MLP 5632, bf16
 weights, fp32 states), prefills one random prompt per request, captures
-:class:`graphs.SpecDecodeGraphRunner` for the chosen batch sizes and, per batch, times
+:class:`ssm_spec.graphs.SpecDecodeGraphRunner` for the chosen batch sizes and, per batch, times
 
 * ``eager``: the step body run eagerly on the runner's buffers (what an engine without
   graphs pays), and
@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from graphs import SpecDecodeGraphRunner
-from graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
+from ssm_spec.graphs import SpecDecodeGraphRunner
+from ssm_spec.graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 from ssm_spec import RecoverSSMMetadata, StatePool
 
 

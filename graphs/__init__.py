@@ -1,6 +1,11 @@
 """Capture of a whole spec-decode step in one CUDA graph, and its ``torch.compile`` form
 (docs/design.md section 6).
 
+The source is the repository's top-level ``graphs/`` folder; ``pyproject.toml`` installs it as
+``ssm_spec.graphs``, the only name to import it by (``from ssm_spec.graphs import ...``). Its
+modules import each other and the rest of the library relatively (``from .. import StatePool``),
+so a stray ``import graphs`` from the repository root fails instead of loading a second copy.
+
 * :class:`SpecDecodeGraphRunner`: one CUDA graph per batch-size bucket holding verify for
   every layer, on-device acceptance and the grouped commit; static buffers, padding rows,
   one shared graph memory pool.
@@ -8,7 +13,7 @@
 * :func:`compile_step`: ``torch.compile(step, fullgraph=True)``, ``mode="reduce-overhead"``
   with the pool as static addresses.
 * :func:`greedy_accept`, :func:`rejection_sample_accept`: the acceptance rules.
-* :mod:`graphs.stack`: a Qwen3-Next-shaped decoder stack with static KV buffers (harness for
+* :mod:`ssm_spec.graphs.stack`: a Qwen3-Next-shaped decoder stack with static KV buffers (harness for
   tests, examples and benchmarks).
 """
 

@@ -1,6 +1,6 @@
 """The ``torch.compile`` path of the uniform spec-decode step (docs/design.md section 6).
 
-:func:`compile_step` binds :func:`graphs.step.spec_decode_step` to a model and its pool and
+:func:`compile_step` binds :func:`ssm_spec.graphs.step.spec_decode_step` to a model and its pool and
 compiles it whole (``fullgraph=True``: no graph break). The pool's states and records and the
 model's buffers are marked as static addresses, so ``mode="reduce-overhead"`` records the
 step as a CUDA graph without copying them in (mutated non-static inputs would make inductor
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_spec import StatePool
+from .. import StatePool
 
 from .step import spec_decode_step
 
@@ -33,7 +33,7 @@ def compile_step(model, pool: StatePool, *, temperature: float = 1.0, generator:
     """``torch.compile`` the uniform step for ``model`` and ``pool``.
 
     Args:
-        model, pool, temperature, pad_token: as :func:`graphs.step.spec_decode_step`.
+        model, pool, temperature, pad_token: as :func:`ssm_spec.graphs.step.spec_decode_step`.
         generator: must be None (``torch.compile`` cannot take a ``torch.Generator``; sampling
             uses the device's default generator).
         compile_kwargs: passed to ``torch.compile`` (``fullgraph`` defaults to True, ``dynamic``

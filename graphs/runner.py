@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ssm_spec import NULL_SLOT, StatePool
+from .. import NULL_SLOT, StatePool
 
 from .step import spec_decode_step
 
@@ -59,7 +59,7 @@ class SpecDecodeGraphRunner:
     Args:
         model: ``model(input_ids [T] int64, metadata, pool) -> logits [T, vocab]`` whose
             forward is capture-safe (static buffers, no host reads), e.g.
-            :class:`graphs.stack.DecoderStack`.
+            :class:`ssm_spec.graphs.stack.DecoderStack`.
         pool: the model's :class:`~ssm_spec.StatePool` (its ``max_tokens`` must hold the
             largest bucket's ``B * W`` tokens). A folded pool (``StatePool(folded=True)``)
             gets two graphs per bucket, one per record-buffer parity, replayed alternately;

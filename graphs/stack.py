@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssm_spec import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool
+from .. import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool
 
 __all__ = ["DecoderStack", "StaticKVAttention", "RowLayout", "REALISTIC_WIDTHS", "TINY_WIDTHS"]
 

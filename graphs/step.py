@@ -1,7 +1,7 @@
 """The uniform spec-decode step: verify every layer, accept on the device, commit.
 
-:func:`spec_decode_step` is the body that :class:`graphs.SpecDecodeGraphRunner` captures per
-batch-size bucket and that :func:`graphs.compile_step` hands to ``torch.compile``. It reads
+:func:`spec_decode_step` is the body that :class:`ssm_spec.graphs.SpecDecodeGraphRunner` captures per
+batch-size bucket and that :func:`ssm_spec.graphs.compile_step` hands to ``torch.compile``. It reads
 no value back to the host and allocates nothing whose size depends on data, so one CUDA
 graph holds all of it (docs/design.md section 6).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ssm_spec import RecoverSSMMetadata, StatePool, commit
+from .. import RecoverSSMMetadata, StatePool, commit
 
 from .acceptance import greedy_accept, rejection_sample_accept
 
@@ -31,7 +31,7 @@ def spec_decode_step(model, pool: StatePool, window_tokens: torch.Tensor, window
 
     Args:
         model: ``model(input_ids [B*W] int64, metadata, pool) -> logits [B*W, vocab]`` (for
-            example :class:`graphs.stack.DecoderStack`).
+            example :class:`ssm_spec.graphs.stack.DecoderStack`).
         pool: the :class:`~ssm_spec.StatePool` of the model's recurrent layers (RecoverSSM or
             snapshot mode).
         window_tokens: ``[B, W]`` int64: the last accepted token, then the drafts.
@@ -53,7 +53,7 @@ def spec_decode_step(model, pool: StatePool, window_tokens: torch.Tensor, window
     Raises:
         ValueError: shapes that do not agree, or ``temperature <= 0`` with ``draft_probs``,
             before the forward; logits narrower or wider than ``vocab_size`` after it. Values
-            are the caller's to validate (see :meth:`graphs.SpecDecodeGraphRunner.step`).
+            are the caller's to validate (see :meth:`ssm_spec.graphs.SpecDecodeGraphRunner.step`).
     """
     if window_tokens.dim() != 2:
         raise ValueError(f"spec_decode_step: window_tokens: got shape {list(window_tokens.shape)}; expected [B, W]")

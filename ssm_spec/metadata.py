@@ -295,7 +295,7 @@ class RecoverSSMMetadata:
         later; a row whose slot is ``NULL_SLOT`` is padding (reads and writes nothing). Rows
         may carry fewer real tokens than ``window``: the positions after them are verified
         like any others (causal, so the real ones are unaffected) and the commit, whose counts
-        never exceed the real length, never replays them. This is the step :mod:`graphs`
+        never exceed the real length, never replays them. This is the step :mod:`ssm_spec.graphs`
         captures: its shapes depend only on ``B`` and ``window``.
 
         Nothing is validated here (it would read the values back); the caller checks slots

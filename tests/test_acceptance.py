@@ -1,9 +1,9 @@
-"""graphs.acceptance: greedy matching and speculative rejection sampling on the device."""
+"""ssm_spec.graphs.acceptance: greedy matching and speculative rejection sampling on the device."""
 
 import pytest
 import torch
 
-from graphs.acceptance import greedy_accept, rejection_sample_accept
+from ssm_spec.graphs.acceptance import greedy_accept, rejection_sample_accept
 
 
 def _greedy_ref(window, lens, logits, pad):

@@ -1,4 +1,4 @@
-"""graphs/: the uniform spec-decode step, its CUDA-graph runner and its compiled form
+"""ssm_spec.graphs (the graphs/ folder): the uniform spec-decode step, its CUDA-graph runner and its compiled form
 (docs/design.md section 6). CPU variants run the runner eagerly on its static buffers; the CUDA
 variants capture and replay (IEEE fp32 dots: conftest and gpu_check.sh)."""
 
@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from graphs import CaptureError, SpecDecodeGraphRunner, compile_step, greedy_accept, spec_decode_step
-from graphs.stack import DecoderStack
+from ssm_spec.graphs import CaptureError, SpecDecodeGraphRunner, compile_step, greedy_accept, spec_decode_step
+from ssm_spec.graphs.stack import DecoderStack
 from ssm_spec import NULL_SLOT, RecoverSSMMetadata, StatePool, commit
 from tests.helpers import rel_err, same_bits
 
@@ -566,7 +566,7 @@ def test_sampling_runner_uses_the_given_draft_probs():
     """Eager runner vs rejection_sample_accept on a twin's logits with the same random numbers:
     identical tokens for an arbitrary (not target-equal) draft distribution; malformed ones
     raise, and a draft its own q calls impossible is never accepted."""
-    from graphs import rejection_sample_accept
+    from ssm_spec.graphs import rejection_sample_accept
 
     model = _stack("cpu", seed=14)
     pool = _pool(model, "cpu")

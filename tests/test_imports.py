@@ -1,11 +1,18 @@
 """The package's modules do not import each other in a circle (issue 19: ``ssm_spec.hf.adapter``
 and ``ssm_spec.hf.cache`` did, the cache through an import inside its constructor), and each
-of the two imports on its own in a fresh interpreter."""
+of the two imports on its own in a fresh interpreter.
+
+The distribution installs one top-level package, ``ssm_spec``: the repository's ``graphs/``
+folder installs as ``ssm_spec.graphs`` (issue 19: it used to install as a top-level ``graphs``,
+a name that collides in site-packages)."""
 
 import ast
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module_name(path: Path) -> str:
+    """The installed name of a source file (``graphs/`` installs as ``ssm_spec.graphs``)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "graphs":
+        parts.insert(0, "ssm_spec")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -23,7 +33,7 @@ def import_graph() -> dict[str, set[str]]:
     those inside functions too (an import deferred into a function is still a dependency; it
     only hides the cycle until the call). An import of a module's own parent package (``from .
     import x``) counts as an import of ``x`` alone."""
-    modules = {_module_name(p): p for p in (ROOT / "ssm_spec").rglob("*.py")}
+    modules = {_module_name(p): p for folder in ("ssm_spec", "graphs") for p in (ROOT / folder).rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -73,6 +83,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_both_directions_of_an_import():
     graph = import_graph()
     assert "ssm_spec.hf.adapter" in graph["ssm_spec.hf.cache"]  # the cache finds the converted layers
+    assert "ssm_spec.graphs.step" in graph["ssm_spec.graphs.runner"]  # graphs/ under its installed name
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
@@ -93,3 +104,57 @@ def test_module_imports_first_in_a_fresh_interpreter(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _fresh(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_graphs_imports_as_ssm_spec_graphs(tmp_path):
+    """``ssm_spec.graphs`` is the installed package, found from outside the repository (the cwd
+    is not on the path there), and no top-level ``graphs`` is installed next to it."""
+    code = ("import importlib.util\n"
+            "import ssm_spec.graphs as g\n"
+            "from ssm_spec.graphs.stack import DecoderStack\n"
+            "assert g.SpecDecodeGraphRunner.__module__ == 'ssm_spec.graphs.runner'\n"
+            "assert callable(g.compile_step) and issubclass(g.CaptureError, Exception)\n"
+            "assert importlib.util.find_spec('graphs') is None, importlib.util.find_spec('graphs')\n")
+    proc = _fresh(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_graphs_is_not_importable_under_its_folder_name():
+    """From the repository root the folder is on the path, but its modules import the library
+    relatively, so ``import graphs`` fails instead of loading a second copy of every class (a
+    ``CaptureError`` that ``except ssm_spec.graphs.CaptureError`` would not catch)."""
+    proc = _fresh("import graphs", ROOT)
+    assert proc.returncode != 0 and "ImportError" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_wheel_installs_only_ssm_spec(tmp_path):
+    """A wheel built from pyproject.toml holds every source file of ``ssm_spec/`` and of
+    ``graphs/`` (as ``ssm_spec/graphs/``) and nothing else at the top level: no ``graphs/``.
+    The package list in pyproject.toml is explicit, so this also fails when a new subpackage is
+    left out of it. Built from a copy of the tree, so nothing is written into the checkout."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for folder in ("ssm_spec", "graphs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    # the suite's venv has setuptools (the build backend): build with it, offline and quickly
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
+                           "-w", str(tmp_path / "dist"), str(src)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    top = {n.split("/")[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"ssm_spec"}, sorted(top)
+    expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "ssm_spec").rglob("*.py")}
+    expected |= {"ssm_spec/" + p.relative_to(ROOT).as_posix() for p in (ROOT / "graphs").rglob("*.py")}
+    assert "ssm_spec/graphs/__init__.py" in expected
+    assert sorted(expected - names) == [], "source files missing from the wheel"
+    assert {n for n in names if n.endswith(".py")} == expected, "files in the wheel with no source"
