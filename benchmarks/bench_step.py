@@ -5,13 +5,16 @@ repeating GDN x3 + attention, GDN H=16, HV=32, K=V=128, attention 16/2 heads of 
 static KV buffer with SDPA, dense SwiGLU MLP 5632, vocab 32768, bf16 weights, fp32 state)
 decodes under :class:`ssm_spec.graphs.SpecDecodeGraphRunner` (one CUDA graph per batch bucket: every
 layer's verify, greedy acceptance, the commit) at each concurrency ``B`` and draft count ``k``,
-in three pool modes over the same weights:
+in five pool modes over the same weights:
 
 * ``recoverssm``: verify from the read-only checkpoint, record, commit the accepted tokens;
 * ``snapshot``: the native per-draft path (a state write per window token, a copy at commit);
-* ``folded``: RecoverSSM with the commit folded into the next step's verify.
+* ``folded``: RecoverSSM with the commit folded into the next step's verify;
+* ``fast``: fast mode (docs/design.md section 7): the closed-form verify, folded
+  (``StatePool(mode="fast", folded=True)``: a state write at every step with accepted tokens);
+* ``lazy``: fast mode with the lazy commit (``max_pending=16``: a state write every few steps).
 
-One fixed acceptance pattern for all three: the model's logits get a large bonus on chosen
+One fixed acceptance pattern for all of them: the model's logits get a large bonus on chosen
 tokens (:class:`PatternForced`), so row ``b`` of step ``s`` accepts exactly ``a[s, b]`` drafts,
 drawn once (seeded) with a per-draft acceptance rate ``--alpha``; every mode runs the same
 steps, so they do the same work. It reports the median step time (GPU, synchronised over
@@ -46,7 +49,10 @@ from ssm_spec.graphs import SpecDecodeGraphRunner
 from ssm_spec.graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 from ssm_spec import StatePool
 
-MODES = ("recoverssm", "snapshot", "folded")
+MODES = ("recoverssm", "snapshot", "folded", "fast", "lazy")
+#: StatePool arguments of each mode
+POOL_MODES = {"recoverssm": {}, "snapshot": dict(snapshot=True), "folded": dict(folded=True),
+              "fast": dict(mode="fast", folded=True), "lazy": dict(mode="fast", folded=True, max_pending=16)}
 
 
 class PatternForced(torch.nn.Module):
@@ -100,8 +106,7 @@ def run(args) -> dict:
         acc = pattern(args.steps + args.warmup, bmax, k, args.alpha, args.seed)
         for mode in args.modes:
             pool = StatePool(stack.recurrent_layers(), num_slots=bmax, max_tokens=bmax * W, device=dev,
-                             dtype=getattr(torch, args.state_dtype), snapshot=mode == "snapshot",
-                             folded=mode == "folded")
+                             dtype=getattr(torch, args.state_dtype), max_window=W, **POOL_MODES[mode])
             gen = torch.Generator().manual_seed(args.seed)
             for state, _ in pool.gdn_groups.values():  # a live state, the same for every mode
                 state[:, :bmax].copy_(torch.randn(state[:, :bmax].shape, generator=gen) * 0.05)

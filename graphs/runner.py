@@ -189,28 +189,28 @@ class SpecDecodeGraphRunner:
         self.mempool = torch.cuda.graph_pool_handle()
         for B in reversed(self.buckets):
             for p in self._parities():
-                if self.pool.folded:
+                if self.pool.double_buffered:
                     self.pool.set_record_parity(p)  # the step's commit swaps it while capturing
                 self.graphs[(B, p)] = self._capture_one(B)
-        if self.pool.folded:
+        if self.pool.double_buffered:
             self.pool.set_record_parity(parity)
         torch.cuda.synchronize(self.device)
         return self
 
     def _parities(self) -> tuple[int, ...]:
         """A folded pool double-buffers its records: one graph per buffer parity."""
-        return (0, 1) if self.pool.folded else (0,)
+        return (0, 1) if self.pool.double_buffered else (0,)
 
     def graph_for(self, bucket: int) -> torch.cuda.CUDAGraph:
         """The captured graph a step of ``bucket`` rows replays now (a folded pool: the one for
         the current record parity)."""
-        return self.graphs[(bucket, self.pool.record_parity if self.pool.folded else 0)]
+        return self.graphs[(bucket, self.pool.record_parity if self.pool.double_buffered else 0)]
 
     def replay(self, bucket: int) -> None:
         """Replay ``bucket``'s graph on the static buffers as they are (a folded pool's record
         buffers swap, as the step's commit would)."""
         self.graph_for(bucket).replay()
-        if self.pool.folded:
+        if self.pool.double_buffered:
             self.pool.swap_records()
 
     def _capture_one(self, B: int) -> torch.cuda.CUDAGraph:
@@ -252,7 +252,7 @@ class SpecDecodeGraphRunner:
         except ValueError as exc:
             raise ValueError(f"SpecDecodeGraphRunner: {exc}") from None
         finally:
-            if self.pool.folded:  # the probe's commit swapped the record buffers: undo it
+            if self.pool.double_buffered:  # the probe's commit swapped the record buffers: undo it
                 self.pool.set_record_parity(parity)
         self._vocab_checked = True
 

@@ -12,9 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops import NULL_SLOT, ReplayRecord
+from .ops import NULL_SLOT, RecordRing, ReplayRecord
+from .ops.gdn.closed_form import ring_positions
 
-__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT"]
+__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES"]
+
+#: The verify modes (docs/design.md section 7): ``"exact"`` (the token loop, bit-identical to the
+#: native recurrence; the default) and ``"fast"`` (the closed-form window, within a stated error
+#: bound, and with a folded pool the lazy commit).
+MODES = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class _Group:
     state: torch.Tensor | None = None
     records: tuple | None = None
     prev_records: tuple | None = None
+    ring: RecordRing | None = None
 
 
 class StatePool:
@@ -74,6 +81,20 @@ class StatePool:
             host-side checks (a step that skips a pending slot, a prefill continuing from one)
             run while every commit validates (the eager default); a commit without validation
             (captured or compiled steps) turns them off.
+        mode: ``"exact"`` (default) or ``"fast"`` (docs/design.md section 7): the layers verify
+            with the closed-form window (``gdn_closed_form_verify``) instead of the token loop:
+            faster, not bit-identical (outputs within 4x the exact kernel's error, tested).
+            With ``folded=True`` fast mode keeps each slot's accepted tokens as records in a
+            per-slot ring (:class:`~ssm_spec.ops.RecordRing`, outside the state pages) and
+            writes a state only when they would pass ``max_pending`` (the lazy commit,
+            ``gdn_closed_form_folded_verify``); slots keep their pending tokens across steps
+            they are not verified in, and a prefill continuing a slot flushes it first.
+        max_pending: fast folded mode: the most accepted tokens a slot keeps pending
+            (``L``; default 1: the state is written at every step that has something pending,
+            the folded commit). ``> 1`` needs ``mode="fast"`` and ``folded=True``.
+        max_window: fast folded mode: the longest verify window a step may have (sizes the
+            rings: ``max(max_pending, max_window) + max_window`` positions per slot); default
+            ``max_tokens``.
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
@@ -85,7 +106,8 @@ class StatePool:
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
-                 conv_dtype=None, device=None, snapshot: bool = False, folded: bool = False):
+                 conv_dtype=None, device=None, snapshot: bool = False, folded: bool = False,
+                 mode: str = "exact", max_pending: int = 1, max_window: int | None = None):
         if num_slots < 1 or max_tokens < 1:
             raise ValueError(f"StatePool: num_slots={num_slots}, max_tokens={max_tokens}; expected >= 1")
         if dtype not in (torch.float32, torch.bfloat16):
@@ -98,6 +120,22 @@ class StatePool:
         self.folded = bool(folded)
         if self.snapshot and self.folded:
             raise ValueError("StatePool: snapshot and folded are two different protocols; choose one")
+        if mode not in MODES:
+            raise ValueError(f"StatePool: mode: got {mode!r}; expected one of {MODES}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"StatePool: max_pending: got {max_pending!r}; expected an int >= 1")
+        if max_pending > 1 and not (mode == "fast" and self.folded):
+            raise ValueError("StatePool: max_pending > 1 (the lazy commit) needs mode='fast' and folded=True")
+        if mode == "fast" and self.snapshot:
+            raise ValueError("StatePool: snapshot is the native protocol; mode='fast' is a RecoverSSM mode")
+        self.mode = mode
+        self.max_pending = int(max_pending)
+        self.max_window = int(max_tokens if max_window is None else max_window)
+        if not 1 <= self.max_window <= self.max_tokens:
+            raise ValueError(f"StatePool: max_window: got {max_window}; expected 1..max_tokens ({self.max_tokens})")
+        #: fast folded mode: records live in per-slot rings (the lazy commit)
+        self.ring_mode = mode == "fast" and self.folded
+        self.ring_positions = ring_positions(self.max_pending, self.max_window) if self.ring_mode else 0
         self.dtype = dtype
         self.conv_dtype = conv_dtype or dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -119,7 +157,10 @@ class StatePool:
             group.records = ReplayRecord(torch.zeros((nl, T, hv, v), device=dev),
                                          torch.zeros((nl, T, h, k), device=dev),
                                          torch.zeros((nl, T, hv), device=dev))
-            if self.folded:  # the other half of the double buffer
+            if self.ring_mode:  # per-slot rings [NL, S, R, ...]
+                ring = RecordRing.zeros(S, self.ring_positions, h, hv, k, v, dev)
+                group.ring = RecordRing(*(torch.zeros((nl, *r.shape), device=dev) for r in ring))
+            elif self.folded:  # the other half of the double buffer
                 group.prev_records = ReplayRecord(*(torch.zeros_like(r) for r in group.records))
         for spec, group in self._conv.items():
             nl = len(group.members)
@@ -155,6 +196,22 @@ class StatePool:
         """Folded mode: views ``[max_tokens, ...]`` of ``layer``'s previous-step records."""
         group, i = self._locate(layer, "gdn")
         return ReplayRecord(*(r[i] for r in group.prev_records))
+
+    def gdn_ring(self, layer) -> RecordRing:
+        """Fast folded mode: views ``[S, R, ...]`` of ``layer``'s record ring."""
+        group, i = self._locate(layer, "gdn")
+        return RecordRing(*(r[i] for r in group.ring))
+
+    @property
+    def double_buffered(self) -> bool:
+        """Whether the records alternate between two buffers across steps (the exact folded
+        pool): a captured step then holds one parity."""
+        return self.folded and not self.ring_mode
+
+    def ring_bytes_per_slot(self) -> int:
+        """Fast folded mode: bytes of record ring per slot and layer (0 otherwise)."""
+        return sum(self.ring_positions * (s.num_v_heads * s.head_v_dim + s.num_k_heads * s.head_k_dim
+                                          + s.num_v_heads) * 4 * len(g.members) for s, g in self._gdn.items())
 
     def conv_state(self, layer) -> torch.Tensor:
         """``[S, Lc, C]`` view of ``layer``'s conv states."""
@@ -248,6 +305,55 @@ class StatePool:
         self._plan = (metadata, plan)
         return plan
 
+    def lazy_plan(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fast folded mode: ``(pending_start [B], pending_count [B])`` int32 of the step's verify
+        rows (0 for padding and prefill rows), for the layers' ``gdn_closed_form_folded_verify``;
+        computed on the device once per step (the first layer calls it, before anything is
+        written). It also moves each slot's bookkeeping past this step's verify: a row that
+        folds (``count > 0`` and ``count + W > max_pending``) has consumed its pending tokens
+        (its ring now starts after them, count 0); :func:`ssm_spec.commit` then adds the
+        accepted tokens, whose records the verify wrote right after the pending ones.
+
+        A prefill row continuing from a slot flushes that slot first (the prefill reads its
+        state); a fresh request's slot drops whatever a finished request left pending there.
+
+        Raises:
+            ValueError: a verify window longer than the pool's ``max_window``.
+        """
+        if self._plan is not None and self._plan[0] is metadata:
+            return self._plan[1]
+        if metadata.max_window > self.max_window:
+            raise ValueError(f"StatePool: a verify window of {metadata.max_window} tokens; this fast folded pool's "
+                             f"rings hold windows up to max_window={self.max_window}")
+        cont = sorted({row.src for row in metadata.prefill_rows if row.src >= 0})
+        if cont:
+            self.flush(cont)
+        fresh = [row.dst for row in metadata.prefill_rows if row.src < 0]
+        if fresh:
+            self.discard(fresh)
+        if metadata.fresh_slots.numel():
+            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
+        idx = self._sink(metadata.verify_indices)
+        start, count = self.pending_start[idx], self.pending_count[idx]  # gathered copies
+        qsl = metadata.verify_query_start_loc
+        W = (qsl[1:] - qsl[:-1]).to(torch.int32)
+        fold = (count > 0) & (count + W > self.max_pending)
+        self.pending_start.index_copy_(0, idx, torch.where(fold, (start + count) % self.ring_positions, start))
+        self.pending_count.index_copy_(0, idx, torch.where(fold, torch.zeros_like(count), count))
+        self.pending_start[self.num_slots:].zero_()  # the sink holds nothing
+        self.pending_count[self.num_slots:].zero_()
+        plan = (start, count)
+        self._plan = (metadata, plan)
+        return plan
+
+    def note_accepted(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
+        """Fast folded mode (called by :func:`ssm_spec.commit`): each verify row's accepted
+        tokens join its slot's pending ones (no state written, no host sync)."""
+        idx = self._sink(metadata.verify_indices)
+        self.pending_count.index_add_(0, idx, num_accepted_tokens.to(torch.int32))
+        self.pending_count[self.num_slots:].zero_()
+        self._plan = None
+
     def _sink(self, slots: torch.Tensor) -> torch.Tensor:
         slots = slots.to(device=self.device, dtype=torch.long)
         return torch.where(slots >= 0, slots, torch.full_like(slots, self.num_slots)).clamp_max(self.num_slots)
@@ -294,6 +400,9 @@ class StatePool:
         Args:
             slots: slot numbers (list or int tensor); ``None``: all.
 
+        Fast folded mode: any time outside a step's forward (the pending tokens of slots this
+        step verified are those its verify did not fold; the commit then adds the accepted ones).
+
         Raises:
             ValueError: not a folded pool, or a slot out of range.
         """
@@ -313,6 +422,17 @@ class StatePool:
         idx = slots.long()
         start, count = self.pending_start[idx], self.pending_count[idx]
         qsl = torch.zeros(B + 1, dtype=torch.int32, device=self.device)  # empty windows: fold only
+        if self.ring_mode:  # max_pending 0: every row with pending tokens folds
+            for spec, g in self._gdn.items():
+                H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+                empty = torch.empty(0, device=self.device)
+                q, v, gb = empty.reshape(0, H, K), empty.reshape(0, HV, V), empty.reshape(0, HV)
+                for layer in range(len(g.members)):
+                    _eager.call("gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], slots, qsl, v,
+                                *(r[layer] for r in g.ring), start, count, 0, 0, K ** -0.5, True)
+            self.pending_start.index_copy_(0, idx, (start + count) % self.ring_positions)
+            self.pending_count.index_fill_(0, idx, 0)
+            return
         for spec, g in self._gdn.items():
             H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
             empty = torch.empty(0, device=self.device)

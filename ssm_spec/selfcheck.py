@@ -120,6 +120,55 @@ def _gdn_checks(device, state_dtype, seed) -> list[Check]:
             and all(torch.equal(a[live], b[live]) for a, b in zip(rec_f, rec_s)))
     checks.append(Check("gdn_folded_verify", dev, sd, "== commit then verify (pool, out, record; bitwise)",
                         str(same), same))
+    checks += _fast_checks(device, state_dtype, q, k, v, g, beta, q2, k2, v2, g2, beta2, pool, src, qsl, qsl_l,
+                           lengths, srcs, counts, live)
+    return checks
+
+
+def _fast_checks(device, state_dtype, q, k, v, g, beta, q2, k2, v2, g2, beta2, pool, src, qsl, qsl_l, lengths,
+                 srcs, counts, live) -> list[Check]:
+    """Fast mode (docs/design.md section 7): the closed-form verify against float64 and the
+    exact kernel's own error; its lazy folded form after a first window: the record ring's
+    history path (max_pending 8) and the fold path (max_pending 1) against float64."""
+    from .ops.gdn.closed_form import RecordRing, ring_positions
+
+    sd, dev = str(state_dtype).replace("torch.", ""), device.type
+    HV, K, V = pool.shape[1:]
+    H = q.shape[1]
+    checks = []
+    out_e, _ = ops.gdn_verify(q, k, v, g, beta, pool, src, qsl)
+    out_f, rec_f = ops.gdn_closed_form_verify(q, k, v, g, beta, pool, src, qsl, max_window=4)
+    err_e = err_f = 0.0
+    for b, s in enumerate(srcs):
+        bos, eos = qsl_l[b], qsl_l[b + 1]
+        if s < 0 or bos == eos:
+            continue
+        ref = reference.gdn_native_step(q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], pool[s],
+                                        dtype=torch.float64)
+        err_e, err_f = max(err_e, _rel(out_e[bos:eos], ref.out)), max(err_f, _rel(out_f[bos:eos], ref.out))
+    checks.append(Check("gdn_closed_form_verify", dev, sd, "max rel err vs float64 <= 4x exact verify's",
+                        f"{err_f:.1e}", err_f <= 4 * max(err_e, 1.2e-7)))
+    # lazy: window 1 from the checkpoint, its accepted tokens pending, window 2 with them as a
+    # history (max_pending 8) or folded first (max_pending 1)
+    worst = {1: 0.0, 8: 0.0}
+    slots = src.clamp_min(-1)
+    for L in worst:
+        work = pool.clone()
+        ring = RecordRing.zeros(pool.shape[0], ring_positions(L, 4), H, HV, K, V, device)
+        zero = torch.zeros_like(counts)
+        ops.gdn_closed_form_folded_verify(q, k, v, g, beta, work, slots, qsl, ring, zero, zero, L, max_window=4)
+        out2 = ops.gdn_closed_form_folded_verify(q2, k2, v2, g2, beta2, work, slots, qsl, ring, zero, counts, L,
+                                                 max_window=4)
+        for b, s in enumerate(srcs):
+            bos, eos, n = qsl_l[b], qsl_l[b + 1], int(counts[b])
+            if s < 0 or bos == eos:
+                continue
+            cat = [torch.cat([x[bos:bos + n], y[bos:eos]]) for x, y in zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
+            ref = reference.gdn_native_step(*cat, pool[s], dtype=torch.float64)
+            worst[L] = max(worst[L], _rel(out2[bos:eos], ref.out[n:]))
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    checks.append(Check("gdn_closed_form_folded_verify", dev, sd, "max rel err vs float64 (history; fold)",
+                        f"{worst[8]:.1e}; {worst[1]:.1e}", max(worst.values()) < tol))
     return checks
 
 

@@ -70,7 +70,9 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     One grouped ``gdn_commit`` launch per GDN state group and one ``short_conv_commit`` per
     conv shape group; prefill and padding rows take no part. With a folded pool
     (``StatePool(folded=True)``) the GDN states are not written here: each row's count is
-    noted on the device and the next step's verify commits it (see :class:`~ssm_spec.StatePool`).
+    noted on the device and the next step's verify commits it (see :class:`~ssm_spec.StatePool`);
+    in fast mode (``mode="fast"``) the records replayed are the closed-form verify's, and a fast
+    folded pool keeps the accepted tokens pending in its rings (the lazy commit).
 
     Args:
         pool: the :class:`~ssm_spec.StatePool` the step's layers verified against.
@@ -94,6 +96,7 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         if pool.folded and metadata.has_verify:
             if metadata.align:
                 raise ValueError("commit: a folded pool (StatePool(folded=True)) supports no align mode")
+        if pool.double_buffered and metadata.has_verify:
             slots = metadata.verify_indices.tolist()
             pool.check_pending_verified(slots)
             host_counts = (slots, counts)
@@ -106,7 +109,9 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     n = num_accepted_tokens.to(torch.int32)
     T = metadata.verify_stop - metadata.verify_start  # records cover the verify span only
     qsl = metadata.verify_query_start_loc
-    if pool.folded:  # the next step's verify commits the GDN states (gdn_folded_verify)
+    if pool.ring_mode:  # fast folded: the accepted tokens stay pending in the slots' rings
+        pool.note_accepted(metadata, n)
+    elif pool.folded:  # the next step's verify commits the GDN states (gdn_folded_verify)
         pool.note_pending(metadata, n, host_counts)
     else:
         for state, records in pool.gdn_groups.values():

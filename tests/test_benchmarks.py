@@ -72,7 +72,7 @@ def run_documented(script: str) -> Path:
 def test_bench_step_smoke_run():
     res = json.loads(run_documented("bench_step.py").read_text())
     modes = {r["mode"] for r in res["rows"]}
-    assert modes == {"recoverssm", "snapshot", "folded"}
+    assert modes == {"recoverssm", "snapshot", "folded", "fast", "lazy"}
     # the fixed acceptance pattern gives every mode the same tokens per step
     for k in res["config"]["k"]:
         for B in res["config"]["batches"]:

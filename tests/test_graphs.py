@@ -254,6 +254,30 @@ def test_folded_pool_runner_equals_the_separate_commit(device):
         assert same_bits(x, y)
 
 
+@pytest.mark.parametrize("max_pending", [1, 16])
+def test_fast_mode_runner_gives_the_exact_runners_tokens(device, max_pending):
+    """Fast mode under the runner (one graph per bucket: the lazy rings need no record parity):
+    the exact runner's tokens every step, and after a flush states within fp32 rounding of it."""
+    model = _stack(device, seed=12)
+    pool = _pool(model, device)
+    slots = [6, 0, 9]
+    last, nct = _prefill(model, pool, slots, [5, 13, 8], seed=12)
+    twin, _ = _twin(model, pool)
+    fpool = StatePool(twin.recurrent_layers(), num_slots=SLOTS, max_tokens=SLOTS * W, device=device, mode="fast",
+                      folded=True, max_pending=max_pending, max_window=W)
+    for a, b in zip(_recurrent(fpool), _recurrent(pool)):
+        a.copy_(b)
+    exact = SpecDecodeGraphRunner(model, pool, K_DRAFTS, V, buckets=(1, 4))
+    fast = SpecDecodeGraphRunner(twin, fpool, K_DRAFTS, V, buckets=(1, 4))
+    if device.type == "cuda":
+        fast.capture()
+        assert set(fast.graphs) == {(1, 0), (4, 0)}
+    _side_by_side(exact, fast, slots, last, nct, 25, seed=5)
+    fpool.flush()
+    for x, y in zip(_recurrent(fpool), _recurrent(pool)):
+        assert rel_err(x.double(), y.double()) < 1e-4
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

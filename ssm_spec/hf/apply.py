@@ -63,7 +63,7 @@ def draft_length(generation_config, kwargs) -> int:
 
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
-                     cuda_graphs: bool | None = None) -> nn.Module:
+                     cuda_graphs: bool | None = None, mode: str | None = None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -74,8 +74,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     for the draft length of the call, so ``generate(prompt_lookup_num_tokens=k)``,
     ``generate(assistant_model=draft)`` and a converted model as an assistant work, and with
     greedy fp32 decoding give exactly plain ``generate``'s tokens. Attention layers keep
-    transformers' KV cache. Calling it again only updates ``state_dtype`` and ``cuda_graphs``
-    (when given).
+    transformers' KV cache. Calling it again only updates ``state_dtype``, ``cuda_graphs`` and
+    ``mode`` (when given).
 
     Args:
         model: a ``Qwen3NextForCausalLM`` (dense or expert MLPs), ``Qwen3_5ForCausalLM``,
@@ -96,6 +96,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             or for itself) get the plain cache; a cache passed in is used as it is (one made
             with ``max_cache_len`` runs graphed). ``False`` also drops the kept cache.
             ``None`` keeps the current setting (initially off).
+        mode: ``"exact"`` (the default: tokens equal plain greedy in fp32) or ``"fast"``: the
+            closed-form verify (docs/design.md section 7; equal tokens up to the first near-tie).
+            ``None`` keeps the current setting.
 
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
@@ -105,6 +108,10 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
     """
+    from ..pools import MODES
+
+    if mode not in (None, *MODES):
+        raise ValueError(f"apply_recoverssm: mode: got {mode!r}; expected one of {MODES}")
     if state_dtype not in (None, torch.float32, torch.bfloat16):
         raise ValueError(f"apply_recoverssm: state_dtype: got {state_dtype}; expected torch.float32 or torch.bfloat16")
     if cuda_graphs:
@@ -115,6 +122,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if is_converted(model):
         if state_dtype is not None:
             model._recoverssm["state_dtype"] = state_dtype
+        if mode is not None:
+            model._recoverssm["mode"] = mode
         if cuda_graphs is not None:
             model._recoverssm["cuda_graphs"] = bool(cuda_graphs)
             capture_safe_experts(model, bool(cuda_graphs))
@@ -130,7 +139,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "cache_kwarg": cache_kwarg(model),
+    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "mode": mode or "exact",
+                         "cache_kwarg": cache_kwarg(model),
                          "cuda_graphs": bool(cuda_graphs), "graph_cache": _KeptCache()}
     capture_safe_experts(model, bool(cuda_graphs))
     model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
@@ -195,7 +205,8 @@ def _generate(self, *args, **kwargs):
         graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
         cache = _graph_cache(self, named, gen_config, R) if graphs else None
         if cache is None:
-            cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"])
+            cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"],
+                                    mode=self._recoverssm.get("mode", "exact"))
         kwargs[key] = cache
     elif isinstance(cache, RecoverSSMCache):
         cache.max_pending = max(cache.max_pending, R)
@@ -281,7 +292,7 @@ def _graph_cache(model, named, gen_config, R):
     state_dtype = model._recoverssm["state_dtype"]
     weight = model.get_input_embeddings().weight
     # graphs hold parameter addresses and the buffers' dtype, device and inference-ness
-    made_for = (state_dtype, weight.dtype, weight.device, torch.is_inference_mode_enabled(),
+    made_for = (state_dtype, model._recoverssm.get("mode", "exact"), weight.dtype, weight.device, torch.is_inference_mode_enabled(),
                 tuple(p.data_ptr() for p in model.parameters()))
     kept = model._recoverssm.setdefault("graph_cache", _KeptCache())
     cache = kept.cache
@@ -292,7 +303,8 @@ def _graph_cache(model, named, gen_config, R):
             cache.rollback.max_pending = R
         return cache
     length = -(-need // GRAPH_CACHE_ROUND) * GRAPH_CACHE_ROUND
-    kept.cache = cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length)
+    kept.cache = cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length,
+                                         mode=model._recoverssm.get("mode", "exact"))
     kept.made_for = made_for
     return cache
 
@@ -314,7 +326,8 @@ def _forward(self, *args, **kwargs):
             kwargs.pop("self", None)
         return cache.graphed(self, kwargs)
     if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
-        kwargs[key] = RecoverSSMCache(self, state_dtype=self._recoverssm["state_dtype"])
+        kwargs[key] = RecoverSSMCache(self, state_dtype=self._recoverssm["state_dtype"],
+                                      mode=self._recoverssm.get("mode", "exact"))
     return type(self).forward(self, *args, **kwargs)
 
 

@@ -116,6 +116,8 @@ class RecoverSSMCache(DynamicCache):
             converted ``generate`` raises it to the draft length it will use. A prompt forward
             runs the chunked prefill over all but its last ``max_pending`` tokens.
         state_dtype: recurrent state dtype, ``torch.float32`` (default) or ``torch.bfloat16``.
+        mode: ``"exact"`` (default) or ``"fast"``: the verify the layers run (docs/design.md
+            section 7; :class:`~ssm_spec.StatePool`).
         max_cache_len: ``None`` (default): attention layers grow as transformers' own do. An
             int: attention layers are :class:`~ssm_spec.hf.static_kv.StaticAttentionLayer`
             buffers of this many tokens and every forward of the converted model runs through
@@ -143,9 +145,13 @@ class RecoverSSMCache(DynamicCache):
     rolls_back_linear_attention = True
 
     def __init__(self, model, max_pending: int = 1, state_dtype: torch.dtype = torch.float32,
-                 max_cache_len: int | None = None):
+                 max_cache_len: int | None = None, mode: str = "exact"):
         from .graphed import GraphedForward
 
+        from ..pools import MODES
+
+        if mode not in MODES:
+            raise ValueError(f"RecoverSSMCache: mode: got {mode!r}; expected one of {MODES}")
         if int(max_pending) < 1:
             raise ValueError(f"RecoverSSMCache: max_pending: got {max_pending}; expected >= 1")
         if state_dtype not in (torch.float32, torch.bfloat16):
@@ -173,6 +179,7 @@ class RecoverSSMCache(DynamicCache):
         self._in_graphed_body = False  # set by GraphedForward while the model runs
         self.max_pending = int(max_pending)
         self.state_dtype = state_dtype
+        self.mode = mode
         self.rollback: RollbackPool | None = None
         self.stats = AcceptanceStats()
         self.prompt_len: int | None = None
@@ -202,7 +209,7 @@ class RecoverSSMCache(DynamicCache):
             if rb is not None and rb.seen:
                 raise ValueError(f"RecoverSSMCache: batch size changed from {rb.batch_size} to {B} mid-sequence")
             self.rollback = rb = RollbackPool(self.adapters, B, self.max_pending,
-                                              dtype=self.state_dtype, conv_dtype=dtype, device=device)
+                                              dtype=self.state_dtype, conv_dtype=dtype, device=device, mode=self.mode)
         rb.max_pending = max(rb.max_pending, self.max_pending)
         rb.begin_forward(L)
         self._forwards += 1

@@ -55,20 +55,21 @@ class RollbackPool:
         batch_size: rows (sequences); every forward carries the same number of tokens per row.
         max_pending: tokens kept pending between forwards (``>= 1``): the deepest crop that
             must succeed after a forward without crops since.
-        dtype / conv_dtype / device: as :class:`~ssm_spec.StatePool`.
+        dtype / conv_dtype / device / mode: as :class:`~ssm_spec.StatePool` (``mode="fast"``:
+            the closed-form verify; its records replay as the exact ones do).
 
     Raises:
         ValueError: ``batch_size < 1`` or ``max_pending < 1``.
     """
 
     def __init__(self, layers, batch_size: int, max_pending: int, *, dtype=torch.float32, conv_dtype=None,
-                 device=None):
+                 device=None, mode: str = "exact"):
         if batch_size < 1 or max_pending < 1:
             raise ValueError(f"RollbackPool: batch_size={batch_size}, max_pending={max_pending}; expected >= 1")
         self.layers = list(layers)
         self.batch_size = int(batch_size)
         self.max_pending = int(max_pending)
-        self._pool_kwargs = dict(dtype=dtype, conv_dtype=conv_dtype, device=device)
+        self._pool_kwargs = dict(dtype=dtype, conv_dtype=conv_dtype, device=device, mode=mode)
         self.pool = StatePool(self.layers, num_slots=2 * self.batch_size,
                               max_tokens=self.batch_size * self.max_pending, **self._pool_kwargs)
         self.device = self.pool.device

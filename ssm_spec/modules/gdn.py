@@ -179,8 +179,9 @@ class RecoverGatedDeltaNet(nn.Module):
             ValueError: with grad mode on and a tensor that requires grad (the kernels have no
                 autograd formula); a slot the pool does not have; verify windows spanning more
                 tokens than the pool's ``max_tokens``; snapshot or folded mode with align mode; a
-                prefill row continuing from a slot with a pending window (folded mode, see
-                :meth:`StatePool.fold_plan`); a layer the pool does not hold. Raised before
+                prefill row continuing from a slot with a pending window (exact folded mode, see
+                :meth:`StatePool.fold_plan`); a verify window past a fast folded pool's
+                ``max_window``; a layer the pool does not hold. Raised before
                 anything is written.
         """
         check_inference("RecoverGatedDeltaNet", hidden, self)
@@ -188,7 +189,7 @@ class RecoverGatedDeltaNet(nn.Module):
         if pool.folded:  # before anything is written: these may refuse the step
             if metadata.align:
                 raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-            fold = pool.fold_plan(metadata)
+            fold = pool.lazy_plan(metadata) if pool.ring_mode else pool.fold_plan(metadata)
         T = hidden.shape[0]
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)
@@ -207,10 +208,17 @@ class RecoverGatedDeltaNet(nn.Module):
             if pool.snapshot:  # the native path: a state write per window token
                 _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start),
                             core[span], scale, True)
+            elif pool.ring_mode:  # fast mode, lazy commit: fold when pending tokens would pass max_pending
+                _eager.call("gdn_closed_form_folded_verify", *args, core[span], *pool.gdn_ring(self), *fold,
+                            metadata.max_window, pool.max_pending, scale, True)
             elif pool.folded:  # commit the previous step's window on the way, then verify
                 rec = pool.gdn_record(self, span.stop - span.start)
                 _eager.call("gdn_folded_verify", *args, core[span], rec.u, rec.k, rec.decay,
                             *pool.gdn_prev_record(self), *fold, scale, True)
+            elif pool.mode == "fast":  # the closed-form window; commit replays its record
+                rec = pool.gdn_record(self, span.stop - span.start)
+                _eager.call("gdn_closed_form_verify", *args, core[span], rec.u, rec.k, rec.decay, metadata.max_window,
+                            scale, True)
             else:
                 rec = pool.gdn_record(self, span.stop - span.start)
                 _eager.call("gdn_verify", *args, core[span], rec.u, rec.k, rec.decay, scale, True)
