@@ -43,7 +43,7 @@ from .._validate import (
     window_bounds,
 )
 from .._window import clamped_window, load_window
-from .inner import check_tile, gdn_tile_config, kdot, l2_normalize, next_power_of_2, replay_token, use_ptx
+from .inner import check_tile, gdn_tile_config, kdot, l2_normalize, next_power_of_2, use_ptx
 from .verify import ReplayRecord, check_gdn_window_structure, prepare_window_call
 
 # ----------------------------------------------------------------------------- Triton
@@ -62,26 +62,9 @@ def _col(m, o_c, j):
 
 
 @triton.jit
-def _fold_pending(state_ptr, ru_ptr, rk_ptr, rg_ptr, slot, p0, pn, R, i_h, i_hv, o_v, m_v,
-                  s_ss, s_sh, s_sk, s_sv, s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt,
-                  s_rgh, K: tl.constexpr, RC: tl.constexpr):
-    """Replay ``pn`` pending ring records (from position ``p0``) onto the slot's ``[K, BV]``
-    tile with the commit's update, ``RC`` state rows at a time, and store it once."""
-    for c in tl.range(0, K, RC):
-        o_r = c + tl.arange(0, RC)
-        m_r = o_r < K
-        m_h = m_r[:, None] & m_v[None, :]
-        ptr = state_ptr + slot * s_ss + i_hv * s_sh + o_r[:, None] * s_sk + o_v[None, :] * s_sv
-        b_h = tl.load(ptr, mask=m_h, other=0).to(tl.float32)
-        j = 0
-        while j < pn:
-            pos = (p0 + j) % R
-            b_k = tl.load(rk_ptr + slot * s_rks + pos * s_rkt + i_h * s_rkh + o_r * s_rkk, mask=m_r, other=0)
-            b_u = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
-            b_d = tl.exp(tl.load(rg_ptr + slot * s_rgs + pos * s_rgt + i_hv * s_rgh))
-            b_h = replay_token(b_h, b_k, b_u, b_d, False)
-            j += 1
-        tl.store(ptr, b_h.to(state_ptr.dtype.element_ty), mask=m_h)
+def _at(vec, o_w, t):
+    """Entry ``t`` of ``vec`` (exact, as :func:`_row`)."""
+    return tl.sum(tl.where(o_w == t, vec, 0.0), axis=0)
 
 
 @triton.jit(do_not_specialize=["T", "S", "R", "L"])
@@ -93,25 +76,27 @@ def gdn_closed_form_kernel(
     s_ss, s_sh, s_sk, s_sv, s_slot, s_qsl, s_ot, s_oh, s_ov,
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr, PP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr, RING: tl.constexpr,
 ):
-    """One program per (V tile, row x value head).
+    """One program per (V tile, row x value head): the state tile is read once into registers.
 
-    The state is streamed once, row ``k`` by row ``k`` in key order, and every window token's
-    key and query meet it as explicit FMA chains (``KS[t] += k_t[k] S[k, :]``), beside the
-    key norms, the window's key Gram rows and (lazy commit) the dots with the history keys: no
-    reduction crosses threads, so the bits are the code's, whatever the tile. The window (at
-    most ``WP`` tokens; validation rejects longer ones, the kernel cuts them) is held as
-    ``[WP, .]`` register matrices whose padded rows are zero (loaded as zeros, beta zero), so
-    they reach no valid output. The ``W x W`` solve runs on ``[WP, WP]`` matrices with chains
-    in token order.
+    ``RING=True`` (the lazy commit, module docstring): the row's ``p`` pending tokens are added
+    to the tile in closed form, ``S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T`` (decays
+    as exp of differences, at most 1; one elementwise FMA pass per pending token, no
+    reduction); a row that folds (``p > 0`` and ``p + W > L``) stores ``S_P`` once in the
+    pool's dtype and continues from the stored value. Then, for either mode, every window token
+    ``t``: its normalised key and query against the tile (:func:`~ssm_spec.ops.gdn.inner.kdot`,
+    a fixed-order FMA chain), and against the earlier keys (the Gram rows); the ``W x W`` system
+    on ``[WP, WP]`` register matrices, solved by rows in token order; ``U = T R`` and the
+    outputs as rank-1 updates in token order. Every sum has an order of the code's, so the bits
+    do not depend on the tile. The window (at most ``WP`` tokens; validation rejects longer
+    ones, the kernel cuts them) has zero padding rows (zero key, query and beta), which reach
+    no valid output.
 
-    ``RING=False``: records go to token rows ``[T, ...]`` (third field ``d = exp(g)``), the
-    state is read only. ``RING=True``: the lazy commit (module docstring): records go to the
-    slot's ring ``[S, R, ...]`` (third field ``g``); ``pstart[b]`` / ``pcount[b]`` give the
-    row's pending tokens, ``L`` is ``max_pending``; a row that folds stores its state first
-    (``RC`` rows at a time), then streams the stored value (from L2)."""
+    ``RING=False``: records go to token rows ``[T, ...]`` (third field ``d = exp(g)``) and the
+    state is read only. ``RING=True``: records go to the slot's ring ``[S, R, ...]`` right after
+    the pending ones (third field ``g``)."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // HV
@@ -122,48 +107,50 @@ def gdn_closed_form_kernel(
     eos = tl.minimum(eos, bos + WP)
     W = eos - bos
     if (slot >= 0) & (slot < S):
+        o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
         o_w = tl.arange(0, WP)
+        m_k = o_k < K
+        m_v = o_v < V
         m_w = o_w < W
+        m_h = m_k[:, None] & m_v[None, :]
         tok = bos.to(tl.int64) + o_w  # int64 token offsets
-        o_p = tl.arange(0, PP)
-        hist = 0
-        p0 = 0
+        tile = state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
+        b_h = tl.load(tile, mask=m_h, other=0).to(tl.float32)
         wpos = 0
         if RING:
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_ps), 0), R - 1)
             pn = tl.minimum(tl.maximum(tl.load(pcount_ptr + i_b * s_pc), 0), R)
             wpos = (p0 + pn) % R
-            if (pn > 0) & (pn + W > L):  # the fold: the pending tokens into the state, stored once
-                _fold_pending(state_ptr, ru_ptr, rk_ptr, rg_ptr, slot, p0, pn, R, i_h, i_hv, o_v, m_v,
-                              s_ss, s_sh, s_sk, s_sv, s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk,
-                              s_rgs, s_rgt, s_rgh, K, 16)
-                tl.debug_barrier()  # the stored tile is what every thread streams next
-            else:
-                hist = pn
-        # ---- the state read once (after a fold: the stored value, from L2), then per window
-        # token: its normalised key and query against the tile (kdot: a fixed-order FMA chain
-        # per element), against the earlier keys (Gram rows) and the history keys
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        m_h = m_k[:, None] & m_v[None, :]
-        b_h = tl.load(state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv, mask=m_h,
-                      other=0).to(tl.float32)
-        pos_p = ((p0 + o_p) % tl.maximum(R, 1)).to(tl.int64)
-        if RING:  # the history keys, key axis first ([BK, PP]; zero past the pending count)
-            b_khT = tl.load(rk_ptr + slot * s_rks + pos_p[None, :] * s_rkt + i_h * s_rkh + o_k[:, None] * s_rkk,
-                            mask=m_k[:, None] & (o_p[None, :] < hist), other=0)
-        else:
-            b_khT = tl.zeros([BK, PP], dtype=tl.float32)
+            if pn > 0:
+                GP = tl.load(rg_ptr + slot * s_rgs + p0 * s_rgt + i_hv * s_rgh)
+                j = 1
+                while j < pn:  # G_P, summed in history order
+                    GP += tl.load(rg_ptr + slot * s_rgs + ((p0 + j) % R) * s_rgt + i_hv * s_rgh)
+                    j += 1
+                b_h = b_h * tl.exp(GP)
+                Gj = GP * 0.0
+                j = 0
+                while j < pn:
+                    pos = (p0 + j) % R
+                    Gj += tl.load(rg_ptr + slot * s_rgs + pos * s_rgt + i_hv * s_rgh)
+                    b_kp = tl.load(rk_ptr + slot * s_rks + pos * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
+                    b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v,
+                                   other=0)
+                    b_h = tl.fma((b_kp * tl.exp(GP - Gj))[:, None], b_up[None, :], b_h)
+                    j += 1
+                if pn + W > L:  # the fold: S_P stored once; the window continues from the stored value
+                    b_hs = b_h.to(state_ptr.dtype.element_ty)
+                    tl.store(tile, b_hs, mask=m_h)
+                    b_h = b_hs.to(tl.float32)
+        # ---- per window token: k̂, q̂ against the tile and the earlier keys
         KS = tl.zeros([WP, BV], dtype=tl.float32)
         QS = tl.zeros([WP, BV], dtype=tl.float32)
         KmT = tl.zeros([BK, WP], dtype=tl.float32)  # column t: k̂_t
         KK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: k̂_t . k̂_j
         QK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: q̂_t . k̂_j
-        CK = tl.zeros([WP, PP], dtype=tl.float32)  # row t: k̂_t . k̂_hist_p
-        CQ = tl.zeros([WP, PP], dtype=tl.float32)
         o_r = o_w[:, None]
+        write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
         for t in tl.static_range(WP):
             l_k = m_k & (o_k * 0 + bos + t < eos)
             b_k = tl.load(k_ptr + (bos + t) * s_kt + i_h * s_kh + o_k * s_kk, mask=l_k, other=0).to(tl.float32)
@@ -178,75 +165,52 @@ def gdn_closed_form_kernel(
             QK = tl.where(o_r == t, kdot(KmT, b_q, USE_PTX)[None, :], QK)
             KS = tl.where(o_r == t, kdot(b_h, b_k, USE_PTX)[None, :], KS)
             QS = tl.where(o_r == t, kdot(b_h, b_q, USE_PTX)[None, :], QS)
-            if RING:
-                CK = tl.where(o_r == t, kdot(b_khT, b_k, USE_PTX)[None, :], CK)
-                CQ = tl.where(o_r == t, kdot(b_khT, b_q, USE_PTX)[None, :], CQ)
-            if (i_v == 0) & (i_hv % (HV // H) == 0) & (bos + t < eos):  # the record's k̂
+            if write_k & (bos + t < eos):  # the record's k̂
                 if RING:
                     tl.store(rk_ptr + slot * s_rks + ((wpos + t) % R) * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k,
                              mask=m_k)
                 else:
                     tl.store(rk_ptr + (bos + t) * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
-        # ---- gates: window-local cumulative log decays (a chain in token order, in both
+        # ---- gates: cumulative log decays of the window (a chain in token order, in both
         # orientations), betas
         b_g = tl.load(g_ptr + tok * s_gt + i_hv * s_gh, mask=m_w, other=0).to(tl.float32)
         b_beta = tl.load(beta_ptr + tok * s_bt + i_hv * s_bh, mask=m_w, other=0).to(tl.float32)
         Gw = tl.zeros([WP], dtype=tl.float32)
         Gw_r = tl.zeros([1, WP], dtype=tl.float32)
-        gc = tl.sum(Gw * 0.0, axis=0)
+        gc = _at(b_g, o_w, 0)
         for j in tl.static_range(WP):
-            gc += tl.load(g_ptr + (bos + j) * s_gt + i_hv * s_gh, mask=bos + j < eos, other=0)
+            if j > 0:
+                gc += _at(b_g, o_w, j)
             Gw = tl.where(o_w >= j, gc, Gw)
             Gw_r = tl.where(o_w[None, :] >= j, gc, Gw_r)
-        # ---- the pending history (lazy commit, no fold): K S_P and Q S_P with
-        # S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T, as rank-1 updates in history order
-        HK = tl.zeros([WP, BV], dtype=tl.float32)
-        HQ = tl.zeros([WP, BV], dtype=tl.float32)
-        GP = tl.sum(Gw * 0.0, axis=0)
-        if RING:
-            j = 0
-            while j < hist:
-                GP += tl.load(rg_ptr + slot * s_rgs + ((p0 + j) % R) * s_rgt + i_hv * s_rgh)
-                j += 1
-            Gj = tl.sum(Gw * 0.0, axis=0)
-            j = 0
-            while j < hist:
-                pos = (p0 + j) % R
-                Gj += tl.load(rg_ptr + slot * s_rgs + pos * s_rgt + i_hv * s_rgh)
-                e = tl.exp(GP - Gj)  # <= 1
-                b_u = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
-                HK = tl.fma((_col(CK, o_p, j) * e)[:, None], b_u[None, :], HK)
-                HQ = tl.fma((_col(CQ, o_p, j) * e)[:, None], b_u[None, :], HQ)
-                j += 1
         # ---- the W x W system: T = (I + A)^-1 (unit lower triangular, rows by forward
-        # substitution), C = (D o QK) T; decays exp(G_t - G_j) <= 1 on and below the diagonal
-        causal = o_w[:, None] >= o_w[None, :]
+        # substitution), C = (D o QK) T; D_tj = exp(G_t - G_j) <= 1 on and below the diagonal
+        causal = o_r >= o_w[None, :]
         Dm = tl.where(causal, tl.exp(tl.where(causal, Gw[:, None] - Gw_r, 0.0)), 0.0)
-        A = tl.where(o_w[:, None] > o_w[None, :], b_beta[:, None] * Dm * KK, 0.0)
+        A = tl.where(o_r > o_w[None, :], b_beta[:, None] * Dm * KK, 0.0)
         DQ = Dm * QK
         Tm = tl.zeros([WP, WP], dtype=tl.float32)
         for t in tl.static_range(WP):
-            a_t = _row(A, o_w, t)  # [WP] over j
+            a_t = _row(A, o_w, t)
             row = tl.where(o_w == t, 1.0, 0.0)
             for j in tl.static_range(t):
-                row = tl.fma(-tl.sum(tl.where(o_w == j, a_t, 0.0), axis=0), _row(Tm, o_w, j), row)
-            Tm = tl.where(o_w[:, None] == t, row[None, :], Tm)
+                row = tl.fma(-_at(a_t, o_w, j), _row(Tm, o_w, j), row)
+            Tm = tl.where(o_r == t, row[None, :], Tm)
         Cm = tl.zeros([WP, WP], dtype=tl.float32)
         for j in tl.static_range(WP):
             Cm = tl.fma(_col(DQ, o_w, j)[:, None], _row(Tm, o_w, j)[None, :], Cm)
-        # ---- U = T R and O = exp(G) Q S_P + C R, R = diag(beta) (V - exp(G) K S_P)
+        # ---- U = T R and O = exp(G) Q S + C R, with R = diag(beta) (V - exp(G) K S)
         eG = tl.exp(Gw)
-        eGP = tl.exp(GP + Gw)
         b_v = tl.load(v_ptr + tok[:, None] * s_vt + i_hv * s_vh + o_v[None, :] * s_vv,
                       mask=m_w[:, None] & m_v[None, :], other=0).to(tl.float32)
-        Rm = b_beta[:, None] * (b_v - (eGP[:, None] * KS + eG[:, None] * HK))
+        Rm = b_beta[:, None] * (b_v - eG[:, None] * KS)
         U = tl.zeros([WP, BV], dtype=tl.float32)
-        O = eGP[:, None] * QS + eG[:, None] * HQ
+        O = eG[:, None] * QS
         for j in tl.static_range(WP):
             r_j = _row(Rm, o_w, j)[None, :]
             U = tl.fma(_col(Tm, o_w, j)[:, None], r_j, U)
             O = tl.fma(_col(Cm, o_w, j)[:, None], r_j, O)
-        # ---- stores: outputs, the record (u by every V tile, k̂ and the gate once)
+        # ---- stores: outputs, the record (u by every V tile, the gate once)
         m_o = m_w[:, None] & m_v[None, :]
         tl.store(out_ptr + tok[:, None] * s_ot + i_hv * s_oh + o_v[None, :] * s_ov, O.to(out_ptr.dtype.element_ty),
                  mask=m_o)
@@ -308,7 +272,7 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, WP=window_block(max_window), PP=next_power_of_2(max(2, R)), USE_QK_L2NORM=bool(use_qk_l2norm),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, WP=window_block(max_window), USE_QK_L2NORM=bool(use_qk_l2norm),
         USE_PTX=use_ptx(), RING=pending is not None, num_warps=num_warps,
     )
 
