@@ -10,7 +10,7 @@ in five pool modes over the same weights:
 * ``recoverssm``: verify from the read-only checkpoint, record, commit the accepted tokens;
 * ``snapshot``: the native per-draft path (a state write per window token, a copy at commit);
 * ``folded``: RecoverSSM with the commit folded into the next step's verify;
-* ``fast``: fast mode (docs/design.md section 7): the closed-form verify, folded
+* ``fast``: fast mode (docs/design.md section 2.6): the closed-form verify, folded
   (``StatePool(mode="fast", folded=True)``: a state write at every step with accepted tokens);
 * ``lazy``: fast mode with the lazy commit (``max_pending=16``: a state write every few steps).
 

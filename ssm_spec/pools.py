@@ -17,7 +17,7 @@ from .ops.gdn.closed_form import ring_positions
 
 __all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES"]
 
-#: The verify modes (docs/design.md section 7): ``"exact"`` (the token loop, bit-identical to the
+#: The verify modes (docs/design.md section 2.6): ``"exact"`` (the token loop, bit-identical to the
 #: native recurrence; the default) and ``"fast"`` (the closed-form window, within a stated error
 #: bound, and with a folded pool the lazy commit).
 MODES = ("exact", "fast")
@@ -81,7 +81,7 @@ class StatePool:
             host-side checks (a step that skips a pending slot, a prefill continuing from one)
             run while every commit validates (the eager default); a commit without validation
             (captured or compiled steps) turns them off.
-        mode: ``"exact"`` (default) or ``"fast"`` (docs/design.md section 7): the layers verify
+        mode: ``"exact"`` (default) or ``"fast"`` (docs/design.md section 2.6): the layers verify
             with the closed-form window (``gdn_closed_form_verify``) instead of the token loop:
             faster, not bit-identical (outputs within 4x the exact kernel's error, tested).
             With ``folded=True`` fast mode keeps each slot's accepted tokens as records in a

@@ -127,7 +127,7 @@ def _gdn_checks(device, state_dtype, seed) -> list[Check]:
 
 def _fast_checks(device, state_dtype, q, k, v, g, beta, q2, k2, v2, g2, beta2, pool, src, qsl, qsl_l, lengths,
                  srcs, counts, live) -> list[Check]:
-    """Fast mode (docs/design.md section 7): the closed-form verify against float64 and the
+    """Fast mode (docs/design.md section 2.6): the closed-form verify against float64 and the
     exact kernel's own error; its lazy folded form after a first window: the record ring's
     history path (max_pending 8) and the fold path (max_pending 1) against float64."""
     from .ops.gdn.closed_form import RecordRing, ring_positions

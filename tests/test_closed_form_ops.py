@@ -1,5 +1,5 @@
 """Fast mode's ops: ``gdn_closed_form_verify`` and the lazy ``gdn_closed_form_folded_verify``
-against the float64 oracles (docs/design.md section 7), on the CPU and the GPU."""
+against the float64 oracles (docs/design.md section 2.6), on the CPU and the GPU."""
 
 import pytest
 import torch

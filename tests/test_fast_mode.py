@@ -1,4 +1,4 @@
-"""Fast mode through the pool, the modules and commit (docs/design.md section 7), and its
+"""Fast mode through the pool, the modules and commit (docs/design.md section 2.6), and its
 exactness contract: window outputs within 4x the exact kernel's own error against float64,
 states over 1,000 steps within 2x (no drift)."""
 
@@ -180,7 +180,8 @@ def test_contract_window_outputs_within_4x_the_exact_kernels_error(device):
 def _decode(device, steps, mode, L=1, seed=0):
     """``steps`` decode steps over 2 rows with random accepted counts: the exact path (verify +
     commit), fast (closed-form verify + commit) or lazy (the folded closed form, ``L``); returns
-    the state's relative error against a float64 token loop of the accepted tokens, per step."""
+    the state's relative error against a float64 token loop of the accepted tokens every 50
+    steps (the lazy pool flushed there: what reading a state takes)."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, ring_positions
     gen = torch.Generator().manual_seed(seed)
     HV, H, K, V, W, B = 2, 1, 16, 16, 4, 2
@@ -212,7 +213,7 @@ def _decode(device, steps, mode, L=1, seed=0):
                 res = reference.gdn_native_step(*(x.cpu()[b * W:b * W + int(n[b])] for x in inp.args()), ref[b],
                                                 dtype=torch.float64, keep_states=False)
                 ref[b] = res.states[-1]
-        if mode == "lazy" and step % 50 == 49 or step == steps - 1:
+        if step % 50 == 49:
             if mode == "lazy":  # a flush (what reading a state takes)
                 e = gdn_inputs(0, H, HV, K, V, device)
                 ops.gdn_closed_form_folded_verify(*e.args(), pool, slots, torch.zeros(B + 1, dtype=torch.int32,
@@ -227,9 +228,10 @@ def test_contract_states_over_1000_steps_within_2x_the_exact_path(device):
     """1,000 steps of random accepted counts: the state's error against float64 stays within 2x
     the exact path's own (fast with commit, and the lazy commit with L = 16): no drift."""
     steps = 1000
-    exact = _decode(device, steps, "exact")[-1]
-    fast = _decode(device, steps, "fast")[-1]
+    exact = _decode(device, steps, "exact")
+    fast = _decode(device, steps, "fast")
     lazy = _decode(device, steps, "lazy", L=16)
-    print(f"state rel err after {steps} steps vs float64: exact {exact:.3g}, fast {fast:.3g}, "
-          f"lazy L=16 {lazy[-1]:.3g} (every 50 steps max {max(lazy):.3g})")
-    assert fast <= 2 * exact and max(lazy) <= 2 * exact
+    print(f"state rel err vs float64 (every 50 of {steps} steps): exact max {max(exact):.3g} last {exact[-1]:.3g}; "
+          f"fast max {max(fast):.3g} last {fast[-1]:.3g}; lazy L=16 max {max(lazy):.3g} last {lazy[-1]:.3g}")
+    assert len(exact) == steps // 50
+    assert max(fast) <= 2 * max(exact) and max(lazy) <= 2 * max(exact)

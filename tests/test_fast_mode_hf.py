@@ -1,6 +1,6 @@
 """Fast mode in the Hugging Face path: greedy decoding of the tiny Qwen3-Next and Qwen3.5
 models in fp32 over 1,024 tokens equals plain greedy up to the first near-tie (docs/design.md
-section 7.3: the closed-form verify moves logits by rounding, so only a near-tie can flip)."""
+section 2.6: the closed-form verify moves logits by rounding, so only a near-tie can flip)."""
 
 import pytest
 import torch

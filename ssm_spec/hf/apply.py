@@ -97,7 +97,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             with ``max_cache_len`` runs graphed). ``False`` also drops the kept cache.
             ``None`` keeps the current setting (initially off).
         mode: ``"exact"`` (the default: tokens equal plain greedy in fp32) or ``"fast"``: the
-            closed-form verify (docs/design.md section 7; equal tokens up to the first near-tie).
+            closed-form verify (docs/design.md section 2.6; equal tokens up to the first near-tie).
             ``None`` keeps the current setting.
 
     Raises:

@@ -117,7 +117,7 @@ class RecoverSSMCache(DynamicCache):
             runs the chunked prefill over all but its last ``max_pending`` tokens.
         state_dtype: recurrent state dtype, ``torch.float32`` (default) or ``torch.bfloat16``.
         mode: ``"exact"`` (default) or ``"fast"``: the verify the layers run (docs/design.md
-            section 7; :class:`~ssm_spec.StatePool`).
+            section 2.6; :class:`~ssm_spec.StatePool`).
         max_cache_len: ``None`` (default): attention layers grow as transformers' own do. An
             int: attention layers are :class:`~ssm_spec.hf.static_kv.StaticAttentionLayer`
             buffers of this many tokens and every forward of the converted model runs through

@@ -1,4 +1,4 @@
-"""Fast mode (docs/design.md section 7): the closed-form window verify and its lazy folded form.
+"""Fast mode (docs/design.md section 2.6): the closed-form window verify and its lazy folded form.
 
 ``gdn_closed_form_verify`` computes a window's outputs and replay record from a read-only
 checkpoint without the token loop's dependent chain: the state is read once and contracted
@@ -442,7 +442,7 @@ _eager.register(FOLDED_OP, cpu=_gdn_closed_form_folded_verify_cpu, cuda=_gdn_clo
 
 
 class RecordRing(NamedTuple):
-    """Per-slot replay records of the lazy commit (docs/design.md section 7.2), fp32.
+    """Per-slot replay records of the lazy commit (docs/design.md section 2.6), fp32.
 
     Attributes:
         u: ``[S, R, HV, V]`` corrections. k: ``[S, R, H, K]`` normalised keys.
@@ -482,7 +482,7 @@ def gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_l
     (int: the longest window of the call, a compile-time bound of the kernel; default: read
     from ``query_start_loc`` on the host, eager only). The record replays with
     :func:`~ssm_spec.ops.gdn_commit` as the exact one does. Outputs and records are within the
-    fast mode's error bound of the token loop (docs/design.md section 7.3), not bit-identical.
+    fast mode's error bound of the token loop (docs/design.md section 2.6), not bit-identical.
 
     Raises:
         ValueError: what ``gdn_verify`` rejects; a window longer than ``max_window``; no

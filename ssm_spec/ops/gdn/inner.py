@@ -244,6 +244,9 @@ TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int,
         "verify": ((2, 8, 1), (None, 32, 1)),
         "snapshot": ((4, 16, 1), (None, 64, 2)),
         "commit": ((None, 64, 4),),
+        # fast mode (2026-12-01, B=64, scripts/tune_closed_form.py on the kernel before the last
+        # history change): W=4 32/1 79.8 us (16/1 100, 64/2 95); W=2 16/1 50.2 ~ 32/1 50.3
+        "closed_form": ((None, 32, 1),),
     },
     # verify 32/1 (B=4 8.4, B=64 61.8); snapshot 32/1 (10.2, 107.0); commit 32/2 (57.1 at k=3, B=64,
     # the 2026-11-29 sweep)
@@ -251,6 +254,7 @@ TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int,
         "verify": ((None, 32, 1),),
         "snapshot": ((None, 32, 1),),
         "commit": ((None, 32, 2),),
+        "closed_form": ((None, 32, 1),),  # not swept for bf16: fp32's tile
     },
 }
 KERNELS = ("verify", "snapshot", "commit", "closed_form")
