@@ -53,15 +53,29 @@ class RecoverGatedDeltaNet(nn.Module):
         head_v_dim (``V``), conv_kernel_size, rms_norm_eps: Hugging Face's config values
             (``linear_num_key_heads``, ...).
         layout: ``"qwen3_next"`` or ``"qwen3_5"`` (the projection layout).
+        tp_group: a ``torch.distributed`` process group: tensor parallelism (module
+            :mod:`ssm_spec.modules.tensor_parallel`); the layer keeps this rank's share of the
+            heads (``H`` and ``HV`` are the full model's), its pool holds only those, and the
+            output is all-reduced over the group. ``None``: every head is local.
 
     Raises:
-        ValueError: on an unknown layout or ``HV % H != 0``.
+        ValueError: on an unknown layout, ``HV % H != 0``, or ``H`` / ``HV`` not divisible by
+            the tensor-parallel size.
     """
+
+    tp_group = None
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 layout: str = "qwen3_next", device=None, dtype=None):
+                 layout: str = "qwen3_next", device=None, dtype=None, tp_group=None):
         super().__init__()
+        if tp_group is not None:
+            from .tensor_parallel import tp_share
+
+            h0, h1 = tp_share(num_k_heads, tp_group, "num_k_heads", "RecoverGatedDeltaNet")
+            v0, v1 = tp_share(num_v_heads, tp_group, "num_v_heads", "RecoverGatedDeltaNet")
+            num_k_heads, num_v_heads = h1 - h0, v1 - v0
+            self.tp_group = tp_group
         if layout not in LAYOUTS:
             raise ValueError(f"RecoverGatedDeltaNet: layout: got {layout!r}; expected one of {LAYOUTS}")
         if num_v_heads % num_k_heads:
@@ -91,13 +105,15 @@ class RecoverGatedDeltaNet(nn.Module):
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
-    def from_hf(cls, module: nn.Module) -> RecoverGatedDeltaNet:
+    def from_hf(cls, module: nn.Module, tp_group=None) -> RecoverGatedDeltaNet:
         """Wrap a Hugging Face ``Qwen3NextGatedDeltaNet`` or ``Qwen3_5GatedDeltaNet``, sharing
         its parameters (the HF submodules themselves are reused, so state-dict keys match).
+        With ``tp_group``, the layer keeps copies of this rank's slices of the full layer's
+        weights instead (:meth:`shard_`).
 
         Raises:
             ValueError: if ``module`` has neither projection layout, or its conv activation is
-                not SiLU.
+                not SiLU; heads not divisible by the tensor-parallel size.
         """
         if hasattr(module, "in_proj_qkvz"):
             layout = "qwen3_next"
@@ -122,6 +138,22 @@ class RecoverGatedDeltaNet(nn.Module):
         for name in (*names, "conv1d", "norm", "out_proj"):
             setattr(self, name, getattr(module, name))
         self.dt_bias, self.A_log = module.dt_bias, module.A_log
+        if tp_group is not None:
+            self.shard_(tp_group)
+        return self
+
+    def shard_(self, tp_group) -> RecoverGatedDeltaNet:
+        """Keep only this rank's heads of a full layer, in place (tensor parallelism,
+        :func:`ssm_spec.modules.tensor_parallel.shard_gdn_`); returns ``self``.
+
+        Raises:
+            ValueError: ``H`` or ``HV`` not divisible by the group's size, or already sharded.
+        """
+        from .tensor_parallel import shard_gdn_
+
+        if self.tp_group is not None:
+            raise ValueError("RecoverGatedDeltaNet.shard_: the layer is already sharded")
+        shard_gdn_(self, tp_group)
         return self
 
     # ------------------------------------------------------------------ forward
@@ -231,4 +263,9 @@ class RecoverGatedDeltaNet(nn.Module):
             for (_, slot), s in zip(row.boundaries, bounds):
                 state[slot] = s.detach()  # the pool never joins an autograd graph
             state[row.dst] = final.detach()
-        return self.output(core, z)
+        out = self.output(core, z)
+        if self.tp_group is not None:  # row-parallel out_proj: the ranks' partial sums
+            from .tensor_parallel import all_reduce_
+
+            all_reduce_(out, self.tp_group)
+        return out

@@ -83,14 +83,27 @@ class RecoverShortConv(nn.Module):
     Args:
         channels: ``C``. kernel_size: taps (>= 1). dilation: ``D`` (>= 1).
         activation: ``"silu"`` or ``"none"``. bias: learn a bias.
+        tp_group: a ``torch.distributed`` process group: tensor parallelism; the layer keeps
+            channels ``[r C/P, (r+1) C/P)`` (``C`` is the full count), its pool holds only those,
+            and the output is all-gathered (``[T, C]`` on every rank). ``None``: all local.
 
     Raises:
-        ValueError: on a bad size, dilation or activation.
+        ValueError: on a bad size, dilation or activation; ``C`` not divisible by the
+            tensor-parallel size.
     """
 
+    tp_group = None
+
     def __init__(self, channels: int, kernel_size: int, dilation: int = 1, activation: str = "silu",
-                 bias: bool = False, device=None, dtype=None):
+                 bias: bool = False, device=None, dtype=None, tp_group=None):
         super().__init__()
+        self.full_channels = channels
+        if tp_group is not None:
+            from .tensor_parallel import tp_share
+
+            c0, c1 = tp_share(channels, tp_group, "channels", "RecoverShortConv")
+            channels = c1 - c0
+            self.tp_group = tp_group
         if channels < 1 or kernel_size < 1 or dilation < 1:
             raise ValueError(f"RecoverShortConv: channels={channels}, kernel_size={kernel_size}, "
                              f"dilation={dilation}; expected all >= 1")
@@ -126,6 +139,27 @@ class RecoverShortConv(nn.Module):
                 pool does not hold. Raised before anything is written.
         """
         check_inference("RecoverShortConv", x, self)
-        return run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
-                              pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
-                              pool)
+        if self.tp_group is not None:  # this rank's channels of the full input
+            from .tensor_parallel import all_gather_channels, tp_share
+
+            c0, c1 = tp_share(self.full_channels, self.tp_group, "channels", "RecoverShortConv")
+            x = x[:, c0:c1]
+        out = run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
+                             pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
+                             pool)
+        if self.tp_group is not None:
+            out = all_gather_channels(out, self.tp_group)
+        return out
+
+    def shard_(self, tp_group) -> RecoverShortConv:
+        """Keep only this rank's channels of a full layer, in place; returns ``self``.
+
+        Raises:
+            ValueError: ``C`` not divisible by the group's size, or already sharded.
+        """
+        from .tensor_parallel import shard_short_conv_
+
+        if self.tp_group is not None:
+            raise ValueError("RecoverShortConv.shard_: the layer is already sharded")
+        shard_short_conv_(self, tp_group)
+        return self
