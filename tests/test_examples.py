@@ -38,3 +38,21 @@ def test_tensorrt_verify_example_exports_and_commits(capsys):
     out = capsys.readouterr().out
     assert "exported program == eager on another batch shape: True" in out
     assert "ssm_spec.gdn_verify_functional.default" in out
+
+
+def test_tensor_parallel_example_under_torchrun():
+    """The README's launch line, two CPU ranks over gloo (loopback), bounded in time."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           str(ROOT / "examples" / "tensor_parallel.py"),
+                           "--steps", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for r in (0, 1):
+        assert f"rank {r}/2: value heads" in proc.stdout

@@ -19,10 +19,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(world, steps, tmp_path):
+def _spawn(world, steps, tmp_path, target=None, arg=None, prefix="rank"):
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=tp_worker.stack_run, args=(r, world, port, steps, str(tmp_path)))
+    target = target or tp_worker.stack_run
+    procs = [ctx.Process(target=target, args=(r, world, port, steps if arg is None else arg, str(tmp_path)))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -32,7 +33,7 @@ def _spawn(world, steps, tmp_path):
     for p in alive:
         p.terminate()
     assert not alive, f"{len(alive)} rank(s) did not finish in {TIMEOUT_S} s"
-    return [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
+    return [(tmp_path / f"{prefix}{r}.txt").read_text() for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -47,6 +48,20 @@ def test_sharded_stack_equals_the_single_process_stack(world, tmp_path):
         assert text.startswith("ok"), f"rank {r}:\n{text}"
         _, err, same = text.split("\n")[0].split()
         assert float(err) < 1e-5 and same == "1", (r, text)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_hf_model_with_sharded_gdn_layers_generates_plain_greedys_tokens(kind, tmp_path):
+    """``apply_recoverssm(model, tp_group=...)`` on 2 ranks: every rank's greedy prompt lookup
+    equals the unconverted model's plain greedy (48 tokens), each rank holding half the heads."""
+    pytest.importorskip("transformers")
+    for r, text in enumerate(_spawn(2, None, tmp_path, target=tp_worker.hf_run, arg=kind, prefix="hf")):
+        assert text.startswith("ok"), f"rank {r}:\n{text}"
+        _, equal, heads = text.split()
+        assert equal == "1", (r, text)
+    from ssm_spec.hf import tiny_model
+    full = next(m for m in tiny_model(kind).modules() if hasattr(m, "num_v_heads"))
+    assert int(heads) * 2 == full.num_v_heads
 
 
 def test_heads_not_divisible_by_the_tp_size_raise(tmp_path):

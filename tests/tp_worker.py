@@ -113,3 +113,27 @@ def stack_run(rank: int, world: int, port: int, steps: int, result_dir: str) -> 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def hf_run(rank: int, world: int, port: int, kind: str, result_dir: str) -> None:
+    """A converted tiny model with its GDN layers sharded over the group: greedy prompt lookup
+    on every rank equals the unconverted model's plain greedy (a single-process run)."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        from ssm_spec.hf import apply_recoverssm, tiny_model
+
+        ids = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
+        want = tiny_model(kind, seed=0).generate(ids, max_new_tokens=48, do_sample=False)
+        model = apply_recoverssm(tiny_model(kind, seed=0), tp_group=dist.group.WORLD)
+        layer = next(m for m in model.modules() if hasattr(m, "engine_forward"))
+        got = model.generate(ids, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=3)
+        with open(os.path.join(result_dir, f"hf{rank}.txt"), "w") as f:
+            f.write(f"ok {int(torch.equal(got, want))} {layer.num_v_heads}\n")
+    except Exception:
+        with open(os.path.join(result_dir, f"hf{rank}.txt"), "w") as f:
+            f.write("error\n" + traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

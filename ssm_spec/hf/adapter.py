@@ -44,8 +44,8 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
     engine_forward = RecoverGatedDeltaNet.forward  # the engine call: flat tokens, metadata, pool
 
     @classmethod
-    def from_hf(cls, module: nn.Module) -> RecoverGDNAdapter:
-        self = super().from_hf(module)
+    def from_hf(cls, module: nn.Module, tp_group=None) -> RecoverGDNAdapter:
+        self = super().from_hf(module, tp_group=tp_group)
         self.layer_idx = int(module.layer_idx)
         return self
 

@@ -63,7 +63,7 @@ def draft_length(generation_config, kwargs) -> int:
 
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
-                     cuda_graphs: bool | None = None, mode: str | None = None) -> nn.Module:
+                     cuda_graphs: bool | None = None, mode: str | None = None, tp_group=None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -99,6 +99,13 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         mode: ``"exact"`` (the default: tokens equal plain greedy in fp32) or ``"fast"``: the
             closed-form verify (docs/design.md section 2.6; equal tokens up to the first near-tie).
             ``None`` keeps the current setting.
+        tp_group: a ``torch.distributed`` process group (first conversion only): every GDN
+            layer keeps this rank's share of its heads (copies of its slices of the full
+            layer's weights; ``RecoverGatedDeltaNet.shard_``), its states hold only those, and
+            its output is all-reduced over the group. Everything else (embeddings, attention,
+            MLPs, the LM head) is left as it is: replicated, or sharded by the model's own
+            tensor parallelism. Every rank must run the same ``generate`` call. Do not
+            ``save_pretrained`` a sharded model (its GDN weights are this rank's slices).
 
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
@@ -134,7 +141,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     for parent in list(model.modules()):
         child = getattr(parent, "linear_attn", None)
         if isinstance(child, nn.Module) and _is_hf_gdn(child):
-            parent.linear_attn = RecoverGDNAdapter.from_hf(child)
+            parent.linear_attn = RecoverGDNAdapter.from_hf(child, tp_group=tp_group)
             found += 1
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
