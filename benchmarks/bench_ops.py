@@ -949,6 +949,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--replot", metavar="RESULT.json", default=None,
+                   help="redraw the table and plot of a saved run (no device needed; other options ignored)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (smoke test only)")
     p.add_argument("--batches", type=ints, default=None,
                    help="comma-separated batch sizes (default 1,4,16,32,64,128,256; cpu: 1,2)")
@@ -1017,10 +1019,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["--replot"]:  # redraw a saved run: --replot RESULT.json (no device needed)
-        if len(argv) != 2:
+    if "--replot" in argv:  # redraw a saved run: --replot RESULT.json (no device needed)
+        i = argv.index("--replot")
+        if i + 1 >= len(argv):
             raise SystemExit("usage: bench_ops.py --replot RESULT.json")
-        path = Path(argv[1])
+        path = Path(argv[i + 1])
         res = json.loads(path.read_text())
         print_table(res)
         save_plot(res, path.with_suffix(".png"))

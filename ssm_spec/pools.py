@@ -52,6 +52,21 @@ class _Group:
     ring: RecordRing | None = None
 
 
+def _slot_tensor(op: str, slots, num_slots: int, device) -> torch.Tensor:
+    """``slots`` (ints, a list of them or an integer tensor) as an int32 tensor on ``device``.
+
+    Raises:
+        ValueError: not integers, or a slot outside ``0..num_slots - 1``.
+    """
+    t = torch.as_tensor(slots)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise ValueError(f"{op}: slots: got {slots!r}; expected slot numbers (ints)")
+    t = t.to(device=device, dtype=torch.int32).reshape(-1)
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_slots):
+        raise ValueError(f"{op}: slots: got {t.tolist()}; expected 0..{num_slots - 1}")
+    return t
+
+
 class StatePool:
     """Stacked states of every registered layer, fp32 or bf16, and fp32 record buffers.
 
@@ -300,6 +315,10 @@ class StatePool:
         if metadata.fresh_slots.numel():
             self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
         idx = self._sink(metadata.verify_indices)
+        if not metadata.has_verify:  # every verify window empty: no kernel runs, nothing is handed over
+            plan = (torch.zeros_like(idx, dtype=torch.int32), torch.zeros_like(idx, dtype=torch.int32))
+            self._plan = (metadata, plan)
+            return plan
         plan = (self.pending_start[idx], self.pending_count[idx])  # gathered copies
         self.pending_count.index_fill_(0, idx, 0)  # handed to this step's verify
         self._plan = (metadata, plan)
@@ -334,6 +353,10 @@ class StatePool:
         if metadata.fresh_slots.numel():
             self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
         idx = self._sink(metadata.verify_indices)
+        if not metadata.has_verify:  # every verify window empty: no kernel runs, nothing moves
+            plan = (torch.zeros_like(idx, dtype=torch.int32), torch.zeros_like(idx, dtype=torch.int32))
+            self._plan = (metadata, plan)
+            return plan
         start, count = self.pending_start[idx], self.pending_count[idx]  # gathered copies
         qsl = metadata.verify_query_start_loc
         W = (qsl[1:] - qsl[:-1]).to(torch.int32)
@@ -412,9 +435,7 @@ class StatePool:
             raise ValueError("StatePool.flush: only a folded pool (StatePool(folded=True)) has pending windows")
         if slots is None:
             slots = torch.arange(self.num_slots, device=self.device)
-        slots = torch.as_tensor(slots, device=self.device).to(torch.int32).reshape(-1)
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= self.num_slots):
-            raise ValueError(f"StatePool.flush: slots: got {slots.tolist()}; expected 0..{self.num_slots - 1}")
+        slots = _slot_tensor("StatePool.flush", slots, self.num_slots, self.device)
         slots = torch.unique(slots)  # a slot named twice is committed once
         B = slots.numel()
         if B == 0:
@@ -451,17 +472,27 @@ class StatePool:
         """Folded mode: drop the pending windows of ``slots`` (default: all) without committing
         them (a finished request whose state is not kept; a slot handed to a new request).
 
+        Between a step's forward and its commit, the slots that step verified keep what their
+        verify used, in both folded pools (the exact one's verify has taken the window over; a
+        fast folded pool's verify read the pending tokens): discard them after the commit.
+
         Raises:
-            ValueError: a slot outside ``0..num_slots - 1`` (one host read for a tensor).
+            ValueError: not a folded pool; slots that are not ints or lie outside
+                ``0..num_slots - 1`` (one host read for a tensor).
         """
+        if not self.folded:
+            raise ValueError("StatePool.discard: only a folded pool (StatePool(folded=True)) has pending windows")
         if slots is None:
-            self.pending_count.zero_()
-            if self._pending_host is not None:
-                self._pending_host = set()
-            return
-        idx = torch.as_tensor(slots, device=self.device).long().reshape(-1)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_slots):
-            raise ValueError(f"StatePool.discard: slots: got {idx.tolist()}; expected 0..{self.num_slots - 1}")
+            slots = torch.arange(self.num_slots, device=self.device)
+        idx = _slot_tensor("StatePool.discard", slots, self.num_slots, self.device).long()
+        if self.ring_mode and self._plan is not None:  # a step in flight: the slots it verified keep the
+            # tokens their verify used (as the exact folded pool's verify took its window over)
+            busy = set(self._plan[0].verify_indices.tolist())
+            idx = torch.tensor([s for s in idx.tolist() if s not in busy], dtype=torch.long, device=self.device)
+        if self.ring_mode:  # the ring moves past the dropped tokens: a window verified this step (records
+            # right after them) is what the commit's accepted tokens point at
+            self.pending_start.index_copy_(0, idx, (self.pending_start[idx] + self.pending_count[idx])
+                                           % self.ring_positions)
         self.pending_count.index_fill_(0, idx, 0)
         if self._pending_host is not None:
             self._pending_host -= set(idx.tolist())

@@ -19,8 +19,8 @@ are given rather than solved.
 The state enters only through ``K S0`` and ``Q S0`` (one ``[2W, K] x [K, V]`` product per value
 head). Decays are always ``exp`` of a *difference* of cumulative log decays (at most 1 in the
 causal region), never ``exp(G_t) * exp(-G_j)``, which overflows to ``0 * inf`` on strongly gated
-windows (a bug FlashInfer fixed in its WY verify: ``../shared/research/verify_kernels.md``
-section 2.3). The result is mathematically the token loop's, not bit-identical to it (other
+windows (a bug FlashInfer fixed in its WY verify: flashinfer-ai/flashinfer PR #3720, which
+computes ``exp(G_r - G_c)`` since). The result is mathematically the token loop's, not bit-identical to it (other
 roundings); its replay record ``(u, k̂, d)`` has the token loop's layout, so commit replays it.
 """
 

@@ -190,6 +190,7 @@ def test_not_a_gdn_model_exits_2(tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config refuses first
     proc = _run("--model", tmp_path)
     assert proc.returncode == 2
     assert "not a Qwen3-Next / Qwen3.5 model" in proc.stderr
@@ -200,6 +201,7 @@ def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
     from ssm_spec.hf import tiny_config
 
     tiny_config("qwen3_next", vocab_size=1000).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config refuses first
     proc = _run("--model", tmp_path)
     assert proc.returncode == 2
     assert "no usable tokenizer" in proc.stderr and "1000" in proc.stderr
@@ -207,6 +209,10 @@ def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--do-sample", "--check"], "needs greedy decoding"),
+    (["--confidence-threshold", "2"], "--confidence-threshold"),
+    (["--device", "meta"], "not supported"),
+    (["--device", "cpu:1"], "not supported"),
+    (["--draft", ""], "--draft: empty"),
     (["--temperature", "0.7"], "--temperature needs --do-sample"),
     (["--num-draft-tokens", "0"], "--num-draft-tokens"),
 ])
@@ -232,3 +238,18 @@ def test_progress_streamer_counts_new_tokens_only():
     streamer.end()
     assert streamer.tokens == 5
     assert streamer.bar.n == 5
+
+
+def test_a_checkpoint_without_weights_is_refused_before_any_model_loads(capsys, no_model_loads, tmp_path):
+    from ssm_spec.hf import tiny_config
+
+    tiny_config("qwen3_next").save_pretrained(tmp_path)  # a config, no weights
+    assert cli.main(["generate", "--draft", str(tmp_path)]) == 2
+    assert "no weights" in capsys.readouterr().err
+
+
+def test_busy_note_from_the_spread_of_repeats():
+    from ssm_spec.hf.cli_generate import busy_note
+
+    assert busy_note(1.0, 1.0, "cpu", 0.0, 2, spread=1.2) is None
+    assert "differ up to 3.0x" in busy_note(1.0, 1.0, "cpu", 0.0, 2, spread=3.0)

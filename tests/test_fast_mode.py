@@ -235,3 +235,70 @@ def test_contract_states_over_1000_steps_within_2x_the_exact_path(device):
           f"fast max {max(fast):.3g} last {fast[-1]:.3g}; lazy L=16 max {max(lazy):.3g} last {lazy[-1]:.3g}")
     assert len(exact) == steps // 50
     assert max(fast) <= 2 * max(exact) and max(lazy) <= 2 * max(exact)
+
+
+@pytest.mark.parametrize("name", ["folded_exact", "fast_folded", "lazy2", "lazy16"])
+def test_a_step_of_empty_windows_keeps_what_is_pending(device, name):
+    """A step whose verify rows all have empty windows runs no kernel: the pending tokens of
+    every folded pool survive it (found by a review: they were handed to a verify that never
+    ran), as does a discard between a forward and its commit (the lazy ring moves past the
+    dropped tokens, the window verified stays the commit's)."""
+    from ssm_spec import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool, commit
+    torch.manual_seed(0)
+    layer = randomize_([RecoverGatedDeltaNet(32, 2, 4, 16, 16, device=device)], 0.3)[0]
+    kw = {"folded_exact": dict(folded=True), "fast_folded": dict(mode="fast", folded=True),
+          "lazy2": dict(mode="fast", folded=True, max_pending=2), "lazy16": dict(mode="fast", folded=True,
+                                                                                   max_pending=16)}[name]
+    pools = [StatePool([layer], num_slots=2, max_tokens=8, device=device, max_window=4, **k) for k in ({}, kw)]
+    gen = torch.Generator().manual_seed(1)
+
+    def step(lens, prefill, done, n):
+        md = RecoverSSMMetadata.build(lens, prefill, done, [0] * len(lens), num_slots=2, device=device)
+        x = torch.randn(sum(lens), 32, generator=gen).to(device)
+        with torch.no_grad():
+            ys = [layer(x, md, pool) for pool in pools]
+        for pool in pools:
+            commit(pool, md, i32(n, device))
+        return ys
+
+    step([4], [True], [0], [4])
+    step([3], [False], [4], [3])
+    step([0], [False], [7], [0])  # an empty window
+    ys = step([2], [False], [7], [2])
+    assert rel_err(ys[1].double(), ys[0].double()) < 1e-4
+    pools[1].flush()
+    assert rel_err(pools[1].gdn_state(layer).double(), pools[0].gdn_state(layer).double()) < 1e-4
+
+
+def test_discard_mid_step_matches_the_exact_folded_pool(device):
+    """A discard between a step's forward and its commit leaves the slots that step verified as
+    they are in both folded pools (found by a review: the lazy pool's commit then pointed at
+    dropped records). (After a commit a discard drops whatever is pending, which in a lazy pool is
+    more than the exact folded pool's last window: discard is for slots whose state is not kept.)"""
+    from ssm_spec import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool, commit
+    torch.manual_seed(0)
+    layer = randomize_([RecoverGatedDeltaNet(32, 2, 4, 16, 16, device=device)], 0.3)[0]
+    pools = [StatePool([layer], num_slots=2, max_tokens=8, device=device, folded=True),
+             StatePool([layer], num_slots=2, max_tokens=8, device=device, mode="fast", folded=True, max_pending=16,
+                       max_window=4)]
+    gen = torch.Generator().manual_seed(2)
+    done = 0
+    for lens, pre, n, drop in (([4], True, 4, None), ([3], False, 2, None), ([3], False, 3, "mid"),
+                               ([2], False, 2, None), ([3], False, 1, None)):
+        md = RecoverSSMMetadata.build(lens, [pre], [done], [0], num_slots=2, device=device)
+        x = torch.randn(sum(lens), 32, generator=gen).to(device)
+        with torch.no_grad():
+            ys = [layer(x, md, pool) for pool in pools]
+        assert rel_err(ys[1].double(), ys[0].double()) < 1e-4
+        for pool in pools:
+            if drop == "mid":
+                pool.discard([0])
+            commit(pool, md, i32([n], device))
+        done += n
+    for pool in pools:
+        pool.flush()
+    assert rel_err(pools[1].gdn_state(layer).double(), pools[0].gdn_state(layer).double()) < 1e-4
+    with pytest.raises(ValueError, match="ints"):
+        pools[1].flush([1.7])
+    with pytest.raises(ValueError, match="folded pool"):
+        StatePool([layer], num_slots=2, max_tokens=8, device=device).discard()

@@ -42,7 +42,9 @@ DRAFT_KEYWORDS = ("prompt-lookup", "self")
 #: The line printed before the default model's text.
 RANDOM_WEIGHTS_NOTE = ("note: the default model is the embedded tiny model with random weights, so its text is "
                        "random bytes (not language); --model PATH runs a real checkpoint")
-#: ``busy_note``'s threshold: process CPU time over wall time of the timed calls below this.
+#: ``busy_note``'s thresholds: process CPU time over wall time of the timed calls below this, and
+#: the slowest over the fastest of one configuration's repeats above ``BUSY_SPREAD``.
+BUSY_SPREAD = 1.5
 BUSY_CPU_FRACTION = 0.5
 
 
@@ -103,6 +105,8 @@ def _validate(args) -> None:
         raise CLIError(f"--repeats: expected >= 1, got {args.repeats}")
     if args.warmup < 0:
         raise CLIError(f"--warmup: expected >= 0, got {args.warmup}")
+    if not 0.0 <= args.confidence_threshold <= 1.0:
+        raise CLIError(f"--confidence-threshold: expected a probability in [0, 1], got {args.confidence_threshold}")
     if args.temperature is not None and not args.do_sample:
         raise CLIError("--temperature needs --do-sample (greedy decoding has no temperature)")
     if args.temperature is not None and args.temperature <= 0:
@@ -182,6 +186,10 @@ def _note(args, message: str) -> None:
 
 
 def _checkpoint_dir(path: str, option: str) -> Path:
+    if not str(path).strip():
+        expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
+                    else "a local checkpoint directory")
+        raise CLIError(f"{option}: empty (expected {expected})")
     p = Path(path).expanduser()
     if not p.exists():
         expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
@@ -191,6 +199,8 @@ def _checkpoint_dir(path: str, option: str) -> Path:
         raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
     if not (p / "config.json").is_file():
         raise CLIError(f"{option} {path}: no config.json: not a transformers checkpoint directory")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise CLIError(f"{option} {path}: no weights (*.safetensors or *.bin): not a saved model")
     return p
 
 
@@ -216,6 +226,8 @@ def check_device(spec: str | None) -> torch.device:
         device = torch.device(spec)
     except (RuntimeError, ValueError, TypeError):
         raise CLIError(f"--device {spec}: not a torch device (expected cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        raise CLIError(f"--device {spec}: not supported (expected cpu, cuda or cuda:N)")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise CLIError(f"--device {spec}: CUDA is not available on this machine")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
@@ -223,7 +235,7 @@ def check_device(spec: str | None) -> torch.device:
     try:
         torch.empty(0, device=device)
     except Exception as exc:  # a backend torch knows but this build or machine lacks (mps, xpu, ...)
-        raise CLIError(f"--device {spec}: not usable here ({type(exc).__name__}: {exc})") from None
+        raise CLIError(f"--device {spec}: not usable here ({type(exc).__name__}: {str(exc)[:200]})") from None
     return device
 
 
@@ -488,7 +500,8 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | None, cpus: int) -> str | None:
+def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | None, cpus: int,
+              spread: float | None = None) -> str | None:
     """A note when the machine looked busy during the timed calls, or None.
 
     Two signs, each sound on its own:
@@ -501,7 +514,10 @@ def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | 
       running for over half the time: other processes had the cores. On CUDA the host sleeps in
       synchronisations while the GPU works, so the ratio says nothing there and is not used;
     * on any device, a 1-minute load average (runnable processes, this one included) above the
-      number of CPUs this process may use: more work than cores.
+      number of CPUs this process may use: more work than cores;
+    * ``spread``: the largest ratio of the slowest to the fastest of one configuration's timed
+      repeats, above ``BUSY_SPREAD``: identical calls whose times differ that much were
+      disturbed (intra-op threads spin while they wait, so CPU time alone can miss contention).
 
     The timings are then inflated by the wait and say little about the code.
     """
@@ -511,6 +527,8 @@ def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | 
                    f"({cpu_s:.2f} s of {wall_s:.2f} s)")
     if load_1min is not None and load_1min > cpus:
         why.append(f"the 1-minute load average ({load_1min:.1f}) exceeds the {cpus} usable CPUs")
+    if spread is not None and spread > BUSY_SPREAD:
+        why.append(f"repeats of one configuration differ up to {spread:.1f}x")
     if not why:
         return None
     return ("note: the machine looks busy (" + "; ".join(why) + "): other processes competed for the CPUs, "
@@ -546,7 +564,7 @@ def _stats_rows(stats) -> list[tuple[str, str]]:
     if stats is None or not stats.rounds:
         return [("rounds", "0 (no speculative round ran)")]
     empty = getattr(stats, "empty_rounds", None)  # rounds in which prompt lookup found no draft
-    rows = [("rounds", f"{stats.rounds}" + (f" ({empty} without drafts)" if empty else "")),
+    rows = [("rounds", f"{stats.rounds}" + (f" ({empty} in which the draft source proposed nothing)" if empty else "")),
             ("mean accepted length", f"{stats.mean_accepted_length:.2f} tokens per round")]
     if not stats.drafted:
         return rows + [("acceptance rate", "- (no drafts)")]
@@ -657,8 +675,9 @@ def run(args) -> int:
         if not equal:
             status = 1
     print(format_table(rows))
+    spread = max((max(r.times) / min(r.times) for r in runs if len(r.times) > 1 and min(r.times) > 0), default=None)
     busy = busy_note(sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs), device.type, _load_1min(),
-                     usable_cpus())
+                     usable_cpus(), spread)
     if busy:
         print(busy)
     if status and dtype != torch.float32:

@@ -525,7 +525,7 @@ def gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_
 
     Raises:
         ValueError: what ``gdn_verify`` rejects, plus ring shapes, dtypes or a ring shorter
-            than :func:`ring_positions`, a count outside ``0..R``, two rows writing one
+            than :func:`ring_positions`, a count outside ``0..R - max_window``, two rows writing one
             slot, an expanded pool, a window longer than ``max_window``. Nothing is written.
     """
     op = FOLDED_OP
@@ -544,9 +544,10 @@ def gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_
         slots = slot_values(op, "state_indices", state_indices, state.shape[0])
         R = ring[0].shape[1]
         for b, (p0, pn) in enumerate(zip(pending_start.tolist(), pending_count.tolist())):
-            if not (0 <= pn <= R and 0 <= p0 < R):
+            if not (0 <= pn <= R - max_window and 0 <= p0 < R):
                 fail(op, f"pending_start[{b}] / pending_count[{b}]", f"{p0} / {pn}",
-                     f"a start in 0..{R - 1} and a count in 0..{R}")
+                     f"a start in 0..{R - 1} and a count in 0..{R - max_window} (the window's {max_window} "
+                     f"records go after the pending ones, never over them)")
         check_write_conflicts(op, {}, [(b, s, f"state_indices[{b}]") for b, s in enumerate(slots) if s >= 0])
     torch.ops.ssm_spec.gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, out,
                                                      *ring, pending_start, pending_count, max_window, max_pending,
