@@ -309,16 +309,9 @@ class StatePool:
                     raise ValueError(f"StatePool: slot {row.src} has a pending window (folded mode) and a prefill "
                                      f"row of this step continues from it; flush it first "
                                      f"(pool.flush([{row.src}]))")
-        fresh = [row.dst for row in metadata.prefill_rows if row.src < 0]
-        if fresh:
-            self.discard(fresh)
-        if metadata.fresh_slots.numel():
-            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
-        idx = self._sink(metadata.verify_indices)
-        if not metadata.has_verify:  # every verify window empty: no kernel runs, nothing is handed over
-            plan = (torch.zeros_like(idx, dtype=torch.int32), torch.zeros_like(idx, dtype=torch.int32))
-            self._plan = (metadata, plan)
-            return plan
+        idx = self._release_fresh(metadata)
+        if not metadata.has_verify:
+            return self._plan[1]
         plan = (self.pending_start[idx], self.pending_count[idx])  # gathered copies
         self.pending_count.index_fill_(0, idx, 0)  # handed to this step's verify
         self._plan = (metadata, plan)
@@ -347,16 +340,9 @@ class StatePool:
         cont = sorted({row.src for row in metadata.prefill_rows if row.src >= 0})
         if cont:
             self.flush(cont)
-        fresh = [row.dst for row in metadata.prefill_rows if row.src < 0]
-        if fresh:
-            self.discard(fresh)
-        if metadata.fresh_slots.numel():
-            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
-        idx = self._sink(metadata.verify_indices)
-        if not metadata.has_verify:  # every verify window empty: no kernel runs, nothing moves
-            plan = (torch.zeros_like(idx, dtype=torch.int32), torch.zeros_like(idx, dtype=torch.int32))
-            self._plan = (metadata, plan)
-            return plan
+        idx = self._release_fresh(metadata)
+        if not metadata.has_verify:
+            return self._plan[1]
         start, count = self.pending_start[idx], self.pending_count[idx]  # gathered copies
         qsl = metadata.verify_query_start_loc
         W = (qsl[1:] - qsl[:-1]).to(torch.int32)
@@ -376,6 +362,22 @@ class StatePool:
         self.pending_count.index_add_(0, idx, num_accepted_tokens.to(torch.int32))
         self.pending_count[self.num_slots:].zero_()
         self._plan = None
+
+    def _release_fresh(self, metadata) -> torch.Tensor:
+        """Both folded plans' common start: a fresh request's slot (a prefill row from the zero
+        state, a verify row with ``num_computed_tokens == 0``) drops what a finished request left
+        pending there. Returns the verify rows' slots (padding rows: the sink). When every verify
+        window is empty no kernel runs, so nothing is handed over: the plan (cached) is zeros."""
+        fresh = [row.dst for row in metadata.prefill_rows if row.src < 0]
+        if fresh:
+            self.discard(fresh)
+        if metadata.fresh_slots.numel():
+            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
+        idx = self._sink(metadata.verify_indices)
+        if not metadata.has_verify:
+            zeros = torch.zeros_like(idx, dtype=torch.int32)
+            self._plan = (metadata, (zeros, zeros.clone()))
+        return idx
 
     def _sink(self, slots: torch.Tensor) -> torch.Tensor:
         slots = slots.to(device=self.device, dtype=torch.long)

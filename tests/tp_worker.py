@@ -55,85 +55,88 @@ def _ops_bitwise(rank: int, world: int, steps: int) -> bool:
     return bool(same)
 
 
-def stack_run(rank: int, world: int, port: int, steps: int, result_dir: str) -> None:
-    """Every rank runs the full stack (the single-process reference) and its own shard on the
-    same inputs for ``steps`` steps with random windows and accepted counts (same seeds on every
-    rank), and writes what it found to ``result_dir/rank<r>.txt``."""
+def _as_rank(rank: int, world: int, port: int, path: str, body) -> None:
+    """Join a gloo group on loopback, run ``body()`` and write its line (or the traceback) to
+    ``path``; leave the group whatever happens."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         torch.set_num_threads(1)
-        from ssm_spec import RecoverSSMMetadata, StatePool, commit
-
-        group = dist.group.WORLD
-        full, shard = _layers("cpu"), _layers("cpu", group)
-        pools = [StatePool(layers, num_slots=6, max_tokens=32) for layers in (full, shard)]
-        gen = torch.Generator().manual_seed(1)
-        worst, done = 0.0, {1: 0, 4: 0}
-        for step in range(steps):
-            prefill = step == 0
-            lens = [7, 5] if prefill else [int(torch.randint(1, 5, (), generator=gen)) for _ in range(2)]
-            md = RecoverSSMMetadata.build(lens, [prefill] * 2, [done[4], done[1]], [4, 1], num_slots=6)
-            x = torch.randn(sum(lens), 32, generator=gen)
-            with torch.no_grad():  # every layer on the step's input: the same inputs per layer
-                ys = [[layer(x, md, pool) for layer in layers] for layers, pool in zip((full, shard), pools)]
-            for a, b in zip(*ys):
-                worst = max(worst, ((a - b).norm() / a.norm()).item())
-            n = lens if prefill else [int(torch.randint(0, L + 1, (), generator=gen)) for L in lens]
-            for pool in pools:
-                commit(pool, md, torch.tensor(n, dtype=torch.int32))
-            for s, c in zip([4, 1], n):
-                done[s] += c
-        # states: within fp32 rounding of the unsharded pool's matching heads and channels (the
-        # projections' BLAS calls differ with the output width: 8 vs 16 rows of in_proj_ba
-        # round differently on the CPU, so module-level states cannot be bitwise)
-        state_err = 0.0
-        for layer_f, layer_s in zip(full, shard):
-            pairs = []
-            if hasattr(layer_s, "num_v_heads"):
-                v0, hv = rank * layer_s.num_v_heads, layer_s.num_v_heads
-                pairs.append((pools[0].gdn_state(layer_f)[:, v0:v0 + hv], pools[1].gdn_state(layer_s)))
-                H, K, V = layer_f.num_k_heads, layer_f.head_k_dim, layer_f.head_v_dim
-                h0, hl = rank * layer_s.num_k_heads, layer_s.num_k_heads
-                rows = torch.cat([torch.arange(h0 * K, (h0 + hl) * K), H * K + torch.arange(h0 * K, (h0 + hl) * K),
-                                  2 * H * K + torch.arange(v0 * V, (v0 + hv) * V)])
-                pairs.append((pools[0].conv_state(layer_f)[..., rows], pools[1].conv_state(layer_s)))
-            else:
-                c0 = rank * layer_s.channels
-                pairs.append((pools[0].conv_state(layer_f)[..., c0:c0 + layer_s.channels], pools[1].conv_state(layer_s)))
-            for a, b in pairs:
-                state_err = max(state_err, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
-        same = _ops_bitwise(rank, world, steps)
-        worst = max(worst, state_err)
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(f"ok {worst:.3e} {int(same)}\n")
+        line = body()
     except Exception:
-        with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
-            f.write("error\n" + traceback.format_exc())
+        line = "error\n" + traceback.format_exc()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    with open(path, "w") as f:
+        f.write(line + "\n")
+
+
+def stack_run(rank: int, world: int, port: int, steps: int, result_dir: str) -> None:
+    """Every rank runs the full stack (the single-process reference) and its own shard on the
+    same inputs for ``steps`` steps with random windows and accepted counts (same seeds on every
+    rank), and writes what it found to ``result_dir/rank<r>.txt``."""
+    _as_rank(rank, world, port, os.path.join(result_dir, f"rank{rank}.txt"), lambda: _stack(rank, world, steps))
+
+
+def _stack(rank: int, world: int, steps: int) -> str:
+    from ssm_spec import RecoverSSMMetadata, StatePool, commit
+
+    group = dist.group.WORLD
+    full, shard = _layers("cpu"), _layers("cpu", group)
+    pools = [StatePool(layers, num_slots=6, max_tokens=32) for layers in (full, shard)]
+    gen = torch.Generator().manual_seed(1)
+    worst, done = 0.0, {1: 0, 4: 0}
+    for step in range(steps):
+        prefill = step == 0
+        lens = [7, 5] if prefill else [int(torch.randint(1, 5, (), generator=gen)) for _ in range(2)]
+        md = RecoverSSMMetadata.build(lens, [prefill] * 2, [done[4], done[1]], [4, 1], num_slots=6)
+        x = torch.randn(sum(lens), 32, generator=gen)
+        with torch.no_grad():  # every layer on the step's input: the same inputs per layer
+            ys = [[layer(x, md, pool) for layer in layers] for layers, pool in zip((full, shard), pools)]
+        for a, b in zip(*ys):
+            worst = max(worst, ((a - b).norm() / a.norm()).item())
+        n = lens if prefill else [int(torch.randint(0, L + 1, (), generator=gen)) for L in lens]
+        for pool in pools:
+            commit(pool, md, torch.tensor(n, dtype=torch.int32))
+        for s, c in zip([4, 1], n):
+            done[s] += c
+    # states: within fp32 rounding of the unsharded pool's matching heads and channels (the
+    # projections' BLAS calls differ with the output width: 8 vs 16 rows of in_proj_ba
+    # round differently on the CPU, so module-level states cannot be bitwise)
+    state_err = 0.0
+    for layer_f, layer_s in zip(full, shard):
+        pairs = []
+        if hasattr(layer_s, "num_v_heads"):
+            v0, hv = rank * layer_s.num_v_heads, layer_s.num_v_heads
+            pairs.append((pools[0].gdn_state(layer_f)[:, v0:v0 + hv], pools[1].gdn_state(layer_s)))
+            H, K, V = layer_f.num_k_heads, layer_f.head_k_dim, layer_f.head_v_dim
+            h0, hl = rank * layer_s.num_k_heads, layer_s.num_k_heads
+            rows = torch.cat([torch.arange(h0 * K, (h0 + hl) * K), H * K + torch.arange(h0 * K, (h0 + hl) * K),
+                              2 * H * K + torch.arange(v0 * V, (v0 + hv) * V)])
+            pairs.append((pools[0].conv_state(layer_f)[..., rows], pools[1].conv_state(layer_s)))
+        else:
+            c0 = rank * layer_s.channels
+            pairs.append((pools[0].conv_state(layer_f)[..., c0:c0 + layer_s.channels], pools[1].conv_state(layer_s)))
+        for a, b in pairs:
+            state_err = max(state_err, ((a - b).norm() / a.norm().clamp_min(1e-30)).item())
+    same = _ops_bitwise(rank, world, steps)
+    worst = max(worst, state_err)
+    return f"ok {worst:.3e} {int(same)}"
 
 
 def hf_run(rank: int, world: int, port: int, kind: str, result_dir: str) -> None:
     """A converted tiny model with its GDN layers sharded over the group: greedy prompt lookup
     on every rank equals the unconverted model's plain greedy (a single-process run)."""
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        torch.set_num_threads(1)
-        from ssm_spec.hf import apply_recoverssm, tiny_model
+    _as_rank(rank, world, port, os.path.join(result_dir, f"hf{rank}.txt"), lambda: _hf(kind))
 
-        ids = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
-        want = tiny_model(kind, seed=0).generate(ids, max_new_tokens=48, do_sample=False)
-        model = apply_recoverssm(tiny_model(kind, seed=0), tp_group=dist.group.WORLD)
-        layer = next(m for m in model.modules() if hasattr(m, "engine_forward"))
-        got = model.generate(ids, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=3)
-        with open(os.path.join(result_dir, f"hf{rank}.txt"), "w") as f:
-            f.write(f"ok {int(torch.equal(got, want))} {layer.num_v_heads}\n")
-    except Exception:
-        with open(os.path.join(result_dir, f"hf{rank}.txt"), "w") as f:
-            f.write("error\n" + traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _hf(kind: str) -> str:
+    from ssm_spec.hf import apply_recoverssm, tiny_model
+
+    ids = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
+    want = tiny_model(kind, seed=0).generate(ids, max_new_tokens=48, do_sample=False)
+    model = apply_recoverssm(tiny_model(kind, seed=0), tp_group=dist.group.WORLD)
+    layer = next(m for m in model.modules() if hasattr(m, "engine_forward"))
+    got = model.generate(ids, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=3)
+    return f"ok {int(torch.equal(got, want))} {layer.num_v_heads}"
