@@ -253,3 +253,13 @@ def test_busy_note_from_the_spread_of_repeats():
 
     assert busy_note(1.0, 1.0, "cpu", 0.0, 2, spread=1.2) is None
     assert "differ up to 3.0x" in busy_note(1.0, 1.0, "cpu", 0.0, 2, spread=3.0)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_before_any_model_loads(capsys, no_model_loads, tmp_path):
+    from ssm_spec.hf import tiny_config
+
+    tiny_config("qwen3_next", vocab_size=300).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read
+    assert cli.main(["generate", "--draft", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary has 300 tokens" in err and len(err.strip().splitlines()) == 1

@@ -616,7 +616,14 @@ def run(args) -> int:
     _validate(args)
     device = check_device(args.device)
     config = check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
-    check_draft(args)
+    draft_config = check_draft(args)
+    target_text = (config if config is not None else tiny_config(TINY_KIND)).get_text_config(decoder=True)
+    if draft_config is not None:  # transformers refuses an assistant with another vocabulary, after timing
+        want, got = getattr(target_text, "vocab_size", None), getattr(
+            draft_config.get_text_config(decoder=True), "vocab_size", None)
+        if want != got:
+            raise CLIError(f"--draft {args.draft}: its vocabulary has {got} tokens, the model's {want}: an assistant "
+                           "must share the model's tokenizer")
     dtype = _setup(args)
     tokenizer = load_tokenizer(args)
     input_ids = tokenizer.encode(args.prompt, device)
