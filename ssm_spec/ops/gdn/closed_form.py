@@ -397,6 +397,15 @@ _eager.register("gdn_closed_form_verify", cpu=_gdn_closed_form_verify_cpu, cuda=
 FOLDED_OP = "gdn_closed_form_folded_verify"
 
 
+def _check_folded_structure(q, k, v, g, beta, state, state_indices, query_start_loc, out, ring_u, ring_k, ring_g,
+                            pending_start, pending_count, max_window, max_pending) -> None:
+    """The folded op's structure checks (no host sync), shared by its CPU and CUDA kernels."""
+    _check_max_window(FOLDED_OP, max_window)
+    check_gdn_window_structure(FOLDED_OP, q, k, v, g, beta, state, state_indices, query_start_loc, out)
+    _check_ring_structure(FOLDED_OP, state, q, ring_u, ring_k, ring_g, pending_start, pending_count, max_window,
+                          max_pending, state_indices.shape[0])
+
+
 def _gdn_closed_form_folded_verify_cpu(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
@@ -405,10 +414,8 @@ def _gdn_closed_form_folded_verify_cpu(
     max_window: int, max_pending: int, scale: float, use_qk_l2norm: bool,
 ) -> None:
     """``torch.ops.ssm_spec.gdn_closed_form_folded_verify`` (module docstring). CPU kernel; CUDA below."""
-    _check_max_window(FOLDED_OP, max_window)
-    check_gdn_window_structure(FOLDED_OP, q, k, v, g, beta, state, state_indices, query_start_loc, out)
-    _check_ring_structure(FOLDED_OP, state, q, ring_u, ring_k, ring_g, pending_start, pending_count, max_window,
-                          max_pending, state_indices.shape[0])
+    _check_folded_structure(q, k, v, g, beta, state, state_indices, query_start_loc, out, ring_u, ring_k, ring_g,
+                            pending_start, pending_count, max_window, max_pending)
     closed_form_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, out, (ring_u, ring_k, ring_g),
                     max_window, scale, use_qk_l2norm, (pending_start, pending_count, max_pending))
 
@@ -422,10 +429,8 @@ gdn_closed_form_folded_verify_op = torch.library.custom_op(
 def _gdn_closed_form_folded_verify_cuda(q, k, v, g, beta, state, state_indices, query_start_loc, out, ring_u,
                                         ring_k, ring_g, pending_start, pending_count, max_window, max_pending, scale,
                                         use_qk_l2norm):
-    _check_max_window(FOLDED_OP, max_window)
-    check_gdn_window_structure(FOLDED_OP, q, k, v, g, beta, state, state_indices, query_start_loc, out)
-    _check_ring_structure(FOLDED_OP, state, q, ring_u, ring_k, ring_g, pending_start, pending_count, max_window,
-                          max_pending, state_indices.shape[0])
+    _check_folded_structure(q, k, v, g, beta, state, state_indices, query_start_loc, out, ring_u, ring_k, ring_g,
+                            pending_start, pending_count, max_window, max_pending)
     launch_closed_form(q, k, v, g, beta, state, state_indices, query_start_loc, out, (ring_u, ring_k, ring_g),
                        max_window, scale, use_qk_l2norm, (pending_start, pending_count, max_pending))
 
