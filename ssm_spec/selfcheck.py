@@ -151,13 +151,12 @@ def _fast_checks(device, state_dtype, q, k, v, g, beta, q2, k2, v2, g2, beta2, p
     # lazy: window 1 from the checkpoint, its accepted tokens pending, window 2 with them as a
     # history (max_pending 8) or folded first (max_pending 1)
     worst = {1: 0.0, 8: 0.0}
-    slots = src.clamp_min(-1)
     for L in worst:
         work = pool.clone()
         ring = RecordRing.zeros(pool.shape[0], ring_positions(L, 4), H, HV, K, V, device)
         zero = torch.zeros_like(counts)
-        ops.gdn_closed_form_folded_verify(q, k, v, g, beta, work, slots, qsl, ring, zero, zero, L, max_window=4)
-        out2 = ops.gdn_closed_form_folded_verify(q2, k2, v2, g2, beta2, work, slots, qsl, ring, zero, counts, L,
+        ops.gdn_closed_form_folded_verify(q, k, v, g, beta, work, src, qsl, ring, zero, zero, L, max_window=4)
+        out2 = ops.gdn_closed_form_folded_verify(q2, k2, v2, g2, beta2, work, src, qsl, ring, zero, counts, L,
                                                  max_window=4)
         for b, s in enumerate(srcs):
             bos, eos, n = qsl_l[b], qsl_l[b + 1], int(counts[b])

@@ -17,6 +17,7 @@ from ..ops import _eager
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
 from .prefill import gdn_prefill_row
 from .short_conv import check_inference, run_short_conv
+from .tensor_parallel import all_reduce_, shard_gdn_, tp_share
 
 __all__ = ["RecoverGatedDeltaNet", "GatedRMSNorm"]
 
@@ -70,8 +71,6 @@ class RecoverGatedDeltaNet(nn.Module):
                  layout: str = "qwen3_next", device=None, dtype=None, tp_group=None):
         super().__init__()
         if tp_group is not None:
-            from .tensor_parallel import tp_share
-
             h0, h1 = tp_share(num_k_heads, tp_group, "num_k_heads", "RecoverGatedDeltaNet")
             v0, v1 = tp_share(num_v_heads, tp_group, "num_v_heads", "RecoverGatedDeltaNet")
             num_k_heads, num_v_heads = h1 - h0, v1 - v0
@@ -149,8 +148,6 @@ class RecoverGatedDeltaNet(nn.Module):
         Raises:
             ValueError: ``H`` or ``HV`` not divisible by the group's size, or already sharded.
         """
-        from .tensor_parallel import shard_gdn_
-
         if self.tp_group is not None:
             raise ValueError("RecoverGatedDeltaNet.shard_: the layer is already sharded")
         shard_gdn_(self, tp_group)
@@ -265,7 +262,5 @@ class RecoverGatedDeltaNet(nn.Module):
             state[row.dst] = final.detach()
         out = self.output(core, z)
         if self.tp_group is not None:  # row-parallel out_proj: the ranks' partial sums
-            from .tensor_parallel import all_reduce_
-
             all_reduce_(out, self.tp_group)
         return out

@@ -11,6 +11,7 @@ from ..metadata import RecoverSSMMetadata
 from ..ops import _eager
 from ..pools import ConvStateSpec, StatePool
 from .prefill import conv_prefill_row
+from .tensor_parallel import all_gather_channels, shard_short_conv_, tp_share
 
 __all__ = ["RecoverShortConv", "run_short_conv"]
 
@@ -97,12 +98,9 @@ class RecoverShortConv(nn.Module):
     def __init__(self, channels: int, kernel_size: int, dilation: int = 1, activation: str = "silu",
                  bias: bool = False, device=None, dtype=None, tp_group=None):
         super().__init__()
-        self.full_channels = channels
         if tp_group is not None:
-            from .tensor_parallel import tp_share
-
-            c0, c1 = tp_share(channels, tp_group, "channels", "RecoverShortConv")
-            channels = c1 - c0
+            self.tp_channels = tp_share(channels, tp_group, "channels", "RecoverShortConv")
+            channels = self.tp_channels[1] - self.tp_channels[0]
             self.tp_group = tp_group
         if channels < 1 or kernel_size < 1 or dilation < 1:
             raise ValueError(f"RecoverShortConv: channels={channels}, kernel_size={kernel_size}, "
@@ -140,10 +138,7 @@ class RecoverShortConv(nn.Module):
         """
         check_inference("RecoverShortConv", x, self)
         if self.tp_group is not None:  # this rank's channels of the full input
-            from .tensor_parallel import all_gather_channels, tp_share
-
-            c0, c1 = tp_share(self.full_channels, self.tp_group, "channels", "RecoverShortConv")
-            x = x[:, c0:c1]
+            x = x[:, self.tp_channels[0]:self.tp_channels[1]]
         out = run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
                              pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
                              pool)
@@ -157,8 +152,6 @@ class RecoverShortConv(nn.Module):
         Raises:
             ValueError: ``C`` not divisible by the group's size, or already sharded.
         """
-        from .tensor_parallel import shard_short_conv_
-
         if self.tp_group is not None:
             raise ValueError("RecoverShortConv.shard_: the layer is already sharded")
         shard_short_conv_(self, tp_group)

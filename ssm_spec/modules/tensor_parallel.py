@@ -94,7 +94,7 @@ def shard_short_conv_(layer, tp_group) -> None:
         layer.weight = nn.Parameter(layer.weight[c0:c1].clone(), requires_grad=False)
         if layer.bias is not None:
             layer.bias = nn.Parameter(layer.bias[c0:c1].clone(), requires_grad=False)
-    layer.full_channels, layer.channels = layer.channels, c1 - c0
+    layer.tp_channels, layer.channels = (c0, c1), c1 - c0
     layer.tp_group = tp_group
 
 

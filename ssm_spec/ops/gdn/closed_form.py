@@ -467,7 +467,7 @@ class RecordRing(NamedTuple):
                    torch.zeros((num_slots, positions, num_v_heads), **f32))
 
 
-def _resolve_max_window(op, max_window, windows, do_validate):
+def _resolve_max_window(op, max_window, windows):
     longest = max((e - b for b, e in windows), default=0) if windows is not None else None
     if max_window is None:
         if longest is None:
@@ -501,7 +501,7 @@ def gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_l
         check_gdn_window_structure(op, q, k, v, g, beta, state, state_indices, query_start_loc, out, *record)
         windows = window_bounds(op, query_start_loc, q.shape[0])
         slot_values(op, "state_indices", state_indices, state.shape[0])
-    max_window = _resolve_max_window(op, max_window, windows, do_validate)
+    max_window = _resolve_max_window(op, max_window, windows)
     torch.ops.ssm_spec.gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_loc, out,
                                               record.u, record.k, record.decay, max_window, scale, use_qk_l2norm)
     return out, record
@@ -542,7 +542,7 @@ def gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_
         check_unaliased_pool(op, "state", state)
         check_gdn_window_structure(op, q, k, v, g, beta, state, state_indices, query_start_loc, out)
         windows = window_bounds(op, query_start_loc, q.shape[0])
-    max_window = _resolve_max_window(op, max_window, windows, do_validate)
+    max_window = _resolve_max_window(op, max_window, windows)
     if do_validate:
         _check_ring_structure(op, state, q, *ring, pending_start, pending_count, max_window, max_pending,
                               state_indices.shape[0])
