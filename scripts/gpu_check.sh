@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-fast] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-fast] [fast] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
@@ -85,6 +85,14 @@ for part in $PARTS; do
           --out "$OUT/tune/$name.json" > "$OUT/tune/$name.log" 2>&1
         summary+=("$name: $(grep -E "^best|FAIL" "$OUT/tune/$name.log" | tr '\n' ';')")
       done
+      ;;
+    fast)  # fast mode's committed numbers (benchmarks/results/fast_mode/): B=64, k=3, fp32
+      mkdir -p "$OUT/fast_mode"
+      python3 scripts/tune_closed_form.py --batch 64 --windows 2,4,8 --tiles 128:1 \
+        --out "$OUT/fast_mode/tune_closed_form_b64_w2-4-8_float32.json" > "$OUT/fast_mode/tune.log" 2>&1
+      python3 benchmarks/bench_ops.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_ops.log" 2>&1
+      python3 benchmarks/bench_step.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_step.log" 2>&1
+      summary+=("fast: $(grep -E "^best" "$OUT/fast_mode/tune.log" | tr '\n' ';')")
       ;;
     ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)
       for spec in ${NCU:-verify:- commit:- snapshot:- folded:-}; do

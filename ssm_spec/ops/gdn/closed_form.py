@@ -1,26 +1,29 @@
 """Fast mode (docs/design.md section 2.6): the closed-form window verify and its lazy folded form.
 
 ``gdn_closed_form_verify`` computes a window's outputs and replay record from a read-only
-checkpoint without the token loop's dependent chain: the state is read once and contracted
-against the window's stacked normalised keys and queries (``2W`` products over ``K``), and the
-corrections solve the ``W x W`` unit lower-triangular system in registers
-(:mod:`ssm_spec.reference_closed_form` is its float64 oracle). Its record is the exact verify's
-(fp32 ``u``, ``k̂``, ``d = exp(g)``), so ``gdn_commit`` and the grouped commit replay it.
+checkpoint without the token loop's dependent chain: the state streams through once, in chunks
+of key rows, and is contracted against the window's keys and queries (``2W`` products over
+``K``, one FMA chain per output in key order), and the corrections solve the ``W x W`` unit
+lower-triangular system in registers (:mod:`ssm_spec.reference_closed_form` is its float64
+oracle). Its record is the exact verify's (fp32 ``u``, ``k̂``, ``d = exp(g)``), so
+``gdn_commit`` and the grouped commit replay it.
 
 ``gdn_closed_form_folded_verify`` is the lazy commit's verify. Each slot owns a ring of
-``R = max(max_pending, max_window) + max_window`` record positions (``u``, ``k̂`` and the log decay ``g``) and
-keeps its last ``p <= max(max_pending, W)`` accepted tokens there instead of in its state.
-Per row: if ``p > 0`` and ``p + W > max_pending`` (the window's accepted tokens could pass
-``max_pending``), the kernel first replays the ``p`` pending tokens onto the checkpoint with
-the commit's update and stores the state once (the fold); otherwise it reads the state only and
-adds the pending tokens' contribution in closed form. Either way it then solves the window and
-appends the window's records right after the pending ones. ``max_pending = 1`` folds at every
-step that has something pending: the folded commit of fast mode.
+``R = max(max_pending, max_window) + max_window`` record positions (``u``, ``k̂`` and the log
+decay ``g``) and keeps its last ``p <= max(max_pending, W)`` accepted tokens there instead of in
+its state. Per row: if ``p > 0`` and ``p + W > max_pending`` (the window's accepted tokens could
+pass ``max_pending``), the kernel adds the ``p`` pending tokens to each state chunk in closed
+form, ``S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T``, and stores it once (the fold);
+otherwise it reads the state only and adds the pending tokens to the window's contractions in
+closed form. Either way it then solves the window and appends the window's records right after
+the pending ones. ``max_pending = 1`` folds at every step that has something pending: the
+folded commit of fast mode.
 
 Not bit-identical to the token loop (other roundings; the contract is a bound on the error
-against a float64 run, tested). Every sum has an order written in code: ``K`` reductions are
-:func:`~ssm_spec.ops.gdn.inner.kdot`, and sums over window or history tokens are chains in
-token order, so bits do not depend on the tile or the batch.
+against a float64 run, tested). Every sum has an order written in code (key-order FMA chains,
+:func:`~ssm_spec.ops.gdn.inner.kdot` for the norms and the Gram rows, token-order chains over
+window and history tokens, explicit FMAs where a contraction could otherwise depend on the
+layout), so bits do not depend on the tile or the batch.
 """
 
 from __future__ import annotations
@@ -43,7 +46,16 @@ from .._validate import (
     window_bounds,
 )
 from .._window import clamped_window, load_window
-from .inner import check_tile, gdn_tile_config, kdot, l2_normalize, next_power_of_2, use_ptx
+from .inner import (
+    L2NORM_EPS,
+    _top_halves,
+    check_tile,
+    gdn_tile_config,
+    kdot,
+    kdot_pairs,
+    next_power_of_2,
+    use_ptx,
+)
 from .verify import ReplayRecord, check_gdn_window_structure, prepare_window_call
 
 # ----------------------------------------------------------------------------- Triton
@@ -67,6 +79,94 @@ def _at(vec, o_w, t):
     return tl.sum(tl.where(o_w == t, vec, 0.0), axis=0)
 
 
+@triton.jit
+def _squeeze_row(x):
+    """``x [1, N] -> [N]``."""
+    return tl.reshape(x, (x.shape[1],))
+
+
+@triton.jit
+def _chain1(acc, x, s):
+    return tl.fma(_squeeze_row(x)[:, None], _squeeze_row(s)[None, :], acc)
+
+
+@triton.jit
+def _chain2(acc, x, s):
+    """``acc + x[0] s[0]^T + x[1] s[1]^T`` for ``x [2, WP]``, ``s [2, BV]``, ``acc [WP, BV]``:
+    two rank-1 FMAs, row 0 first (the rows are a thread's registers: the split moves nothing)."""
+    x0, x1 = _top_halves(x)
+    s0, s1 = _top_halves(s)
+    acc = tl.fma(_squeeze_row(x0)[:, None], _squeeze_row(s0)[None, :], acc)
+    return tl.fma(_squeeze_row(x1)[:, None], _squeeze_row(s1)[None, :], acc)
+
+
+@triton.jit
+def _chain4(acc, x, s):
+    x0, x1 = _top_halves(x)
+    s0, s1 = _top_halves(s)
+    return _chain2(_chain2(acc, x0, s0), x1, s1)
+
+
+@triton.jit
+def _chain8(acc, x, s):
+    x0, x1 = _top_halves(x)
+    s0, s1 = _top_halves(s)
+    return _chain4(_chain4(acc, x0, s0), x1, s1)
+
+
+@triton.jit
+def _chain16(acc, x, s):
+    x0, x1 = _top_halves(x)
+    s0, s1 = _top_halves(s)
+    return _chain8(_chain8(acc, x0, s0), x1, s1)
+
+
+@triton.jit
+def _chain32(acc, x, s):
+    x0, x1 = _top_halves(x)
+    s0, s1 = _top_halves(s)
+    return _chain16(_chain16(acc, x0, s0), x1, s1)
+
+
+@triton.jit
+def chain_rows(acc, x, s):
+    """``acc + x^T s`` for ``x [N, M]``, ``s [N, P]``, ``acc [M, P]`` (``N`` a power of two up
+    to 32): one FMA per product, rows in order (a chunk of state rows and the window's key
+    entries on them, or pending records). Chained over the chunks of a ``K`` loop, each output
+    is one FMA chain over the key axis in index order, whatever the tile."""
+    if x.shape[0] == 32:
+        return _chain32(acc, x, s)
+    elif x.shape[0] == 16:
+        return _chain16(acc, x, s)
+    elif x.shape[0] == 8:
+        return _chain8(acc, x, s)
+    elif x.shape[0] == 4:
+        return _chain4(acc, x, s)
+    elif x.shape[0] == 2:
+        return _chain2(acc, x, s)
+    else:
+        return _chain1(acc, x, s)
+
+
+@triton.jit
+def _window_keys(k_ptr, q_ptr, tok, i_h, o_k, m_k, m_w, s_kt, s_kh, s_kk, s_qt, s_qh, s_qk,
+                 USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr):
+    """The window's keys and queries, ``[BK, WP]`` fp32 (column ``t``: token ``t``; padding
+    columns zero), normalised (``k̂``, ``q̂`` before the scale), and their inverse norms
+    ``[WP]`` (ones without the normalisation). The norms are :func:`~ssm_spec.ops.gdn.inner.kdot`
+    column by column, so ``k̂`` has the bits of :func:`~ssm_spec.ops.gdn.inner.l2_normalize`."""
+    m = m_k[:, None] & m_w[None, :]
+    kr = tl.load(k_ptr + tok[None, :] * s_kt + i_h * s_kh + o_k[:, None] * s_kk, mask=m, other=0).to(tl.float32)
+    qr = tl.load(q_ptr + tok[None, :] * s_qt + i_h * s_qh + o_k[:, None] * s_qk, mask=m, other=0).to(tl.float32)
+    if USE_QK_L2NORM:
+        ik = tl.rsqrt(kdot_pairs(kr, kr, USE_PTX) + L2NORM_EPS)
+        iq = tl.rsqrt(kdot_pairs(qr, qr, USE_PTX) + L2NORM_EPS)
+    else:
+        ik = tl.full([kr.shape[1]], 1.0, tl.float32)
+        iq = tl.full([kr.shape[1]], 1.0, tl.float32)
+    return kr * ik[None, :], qr * iq[None, :], ik, iq
+
+
 @triton.jit(do_not_specialize=["T", "S", "R", "L"])
 def gdn_closed_form_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, qsl_ptr, out_ptr,
@@ -76,23 +176,33 @@ def gdn_closed_form_kernel(
     s_ss, s_sh, s_sk, s_sv, s_slot, s_qsl, s_ot, s_oh, s_ov,
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, WP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, WP: tl.constexpr,
+    PP: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr, RING: tl.constexpr,
 ):
-    """One program per (V tile, row x value head): the state tile is read once into registers.
+    """One program per (V tile, row x value head); the state streams through in chunks of
+    ``KC`` key rows and is read once.
 
-    ``RING=True`` (the lazy commit, module docstring): the row's ``p`` pending tokens are added
-    to the tile in closed form, ``S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T`` (decays
-    as exp of differences, at most 1; one elementwise FMA pass per pending token, no
-    reduction); a row that folds (``p > 0`` and ``p + W > L``) stores ``S_P`` once in the
-    pool's dtype and continues from the stored value. Then, for either mode, every window token
-    ``t``: its normalised key and query against the tile (:func:`~ssm_spec.ops.gdn.inner.kdot`,
-    a fixed-order FMA chain), and against the earlier keys (the Gram rows); the ``W x W`` system
-    on ``[WP, WP]`` register matrices, solved by rows in token order; ``U = T R`` and the
-    outputs as rank-1 updates in token order. Every sum has an order of the code's, so the bits
-    do not depend on the tile. The window (at most ``WP`` tokens; validation rejects longer
-    ones, the kernel cuts them) has zero padding rows (zero key, query and beta), which reach
-    no valid output.
+    Per chunk: the rows ``S[c] [KC, BV]`` and the window's raw keys and queries on those rows;
+    ``A_K += K[c]^T S[c]``, ``A_Q += Q[c]^T S[c]`` as rank-1 FMAs (:func:`chain_rows`: each
+    output one FMA chain over the key axis in index order). Then ``K̂ S = diag(1/|k|) A_K``,
+    ``Q̂ S = scale diag(1/|q|) A_Q``. Nothing but a chunk and the two ``[WP, BV]`` accumulators
+    is live in the loop, so many programs are resident and their loads overlap.
+
+    ``RING=True`` (the lazy commit, module docstring): a row that folds (``p > 0`` and
+    ``p + W > L``) rebuilds each chunk as ``S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T``
+    (decays as exp of differences, at most 1; one FMA per pending token and element), stores it
+    once in the pool's dtype and continues from the stored value; a row that does not fold adds
+    its ``p`` pending tokens to the contractions in closed form after the loop,
+    ``X S_P = exp(G_P) X S0 + sum_p exp(G_P - G_p) (X k̂_p) u_p^T`` (``X`` the window's ``k̂`` or
+    ``q̂``; ``O(p W (K + V))`` work, the state untouched).
+
+    Then the ``W x W`` system on ``[WP, WP]`` register matrices: the Gram rows by
+    :func:`~ssm_spec.ops.gdn.inner.kdot`, ``T = (I + A)^-1`` by rows in token order,
+    ``C = (D o QK) T``, ``U = T R`` and the outputs as rank-1 updates in token order. Every sum
+    has an order of the code's, so the bits do not depend on the tile (``BV``, ``num_warps``).
+    The window (at most ``WP`` tokens; validation rejects longer ones, the kernel cuts them) has
+    zero padding rows (zero key, query and beta), which reach no valid output.
 
     ``RING=False``: records go to token rows ``[T, ...]`` (third field ``d = exp(g)``) and the
     state is read only. ``RING=True``: records go to the slot's ring ``[S, R, ...]`` right after
@@ -110,67 +220,109 @@ def gdn_closed_form_kernel(
         o_k = tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         o_w = tl.arange(0, WP)
+        o_c = tl.arange(0, KC)
         m_k = o_k < K
         m_v = o_v < V
         m_w = o_w < W
-        m_h = m_k[:, None] & m_v[None, :]
         tok = bos.to(tl.int64) + o_w  # int64 token offsets
-        tile = state_ptr + slot * s_ss + i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
-        b_h = tl.load(tile, mask=m_h, other=0).to(tl.float32)
+        base = state_ptr + slot * s_ss + i_hv * s_sh
         wpos = 0
+        fold = False
+        hist = False
         if RING:
+            o_p = tl.arange(0, PP)
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_ps), 0), R - 1)
-            pn = tl.minimum(tl.maximum(tl.load(pcount_ptr + i_b * s_pc), 0), R)
+            pn = tl.minimum(tl.maximum(tl.load(pcount_ptr + i_b * s_pc), 0), tl.minimum(R, PP))
             wpos = (p0 + pn) % R
-            if pn > 0:
-                GP = tl.load(rg_ptr + slot * s_rgs + p0 * s_rgt + i_hv * s_rgh)
-                j = 1
-                while j < pn:  # G_P, summed in history order
-                    GP += tl.load(rg_ptr + slot * s_rgs + ((p0 + j) % R) * s_rgt + i_hv * s_rgh)
-                    j += 1
-                b_h = b_h * tl.exp(GP)
-                Gj = GP * 0.0
-                j = 0
-                while j < pn:
-                    pos = (p0 + j) % R
-                    Gj += tl.load(rg_ptr + slot * s_rgs + pos * s_rgt + i_hv * s_rgh)
-                    b_kp = tl.load(rk_ptr + slot * s_rks + pos * s_rkt + i_h * s_rkh + o_k * s_rkk, mask=m_k, other=0)
-                    b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v,
-                                   other=0)
-                    b_h = tl.fma((b_kp * tl.exp(GP - Gj))[:, None], b_up[None, :], b_h)
-                    j += 1
-                if pn + W > L:  # the fold: S_P stored once; the window continues from the stored value
-                    b_hs = b_h.to(state_ptr.dtype.element_ty)
-                    tl.store(tile, b_hs, mask=m_h)
-                    b_h = b_hs.to(tl.float32)
-        # ---- per window token: k̂, q̂ against the tile and the earlier keys
-        KS = tl.zeros([WP, BV], dtype=tl.float32)
-        QS = tl.zeros([WP, BV], dtype=tl.float32)
-        KmT = tl.zeros([BK, WP], dtype=tl.float32)  # column t: k̂_t
-        KK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: k̂_t . k̂_j
-        QK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: q̂_t . k̂_j
+            m_p = o_p < pn
+            pos_p = ((p0 + o_p) % R).to(tl.int64)
+            g_p = tl.load(rg_ptr + slot * s_rgs + pos_p * s_rgt + i_hv * s_rgh, mask=m_p, other=0)
+            Gp = tl.zeros([PP], dtype=tl.float32)  # G_p = g_0 + ... + g_p, a chain in history order
+            gc = _at(g_p, o_p, 0)
+            for j in tl.static_range(PP):
+                if j > 0:
+                    gc += _at(g_p, o_p, j)
+                Gp = tl.where(o_p >= j, gc, Gp)
+            GP = gc  # padding entries add zeros
+            e_p = tl.where(m_p, tl.exp(GP - Gp), 0.0)  # exp(G_P - G_p) <= 1
+            fold = (pn > 0) & (pn + W > L)
+            hist = (pn > 0) & (pn + W <= L)
+            Dk = tl.zeros([WP, PP], dtype=tl.float32)  # raw window keys . pending k̂
+            Dq = tl.zeros([WP, PP], dtype=tl.float32)
+        # ---- the window's normalised keys and queries, the Gram rows, the record's k̂
+        KmT, QmT, ik, iq = _window_keys(k_ptr, q_ptr, tok, i_h, o_k, m_k, m_w, s_kt, s_kh, s_kk, s_qt, s_qh, s_qk,
+                                        USE_QK_L2NORM, USE_PTX)
         o_r = o_w[:, None]
-        write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
+        KK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: k̂_t . k̂_j
+        QK = tl.zeros([WP, WP], dtype=tl.float32)  # row t: q̂_t . k̂_j (before the scale)
         for t in tl.static_range(WP):
-            l_k = m_k & (o_k * 0 + bos + t < eos)
-            b_k = tl.load(k_ptr + (bos + t) * s_kt + i_h * s_kh + o_k * s_kk, mask=l_k, other=0).to(tl.float32)
-            b_q = tl.load(q_ptr + (bos + t) * s_qt + i_h * s_qh + o_k * s_qk, mask=l_k, other=0).to(tl.float32)
-            if USE_QK_L2NORM:
-                b_k = l2_normalize(b_k, USE_PTX)
-                b_q = l2_normalize(b_q, USE_PTX) * scale
+            KK = tl.where(o_r == t, kdot(KmT, _col(KmT, o_w, t), USE_PTX)[None, :], KK)
+            QK = tl.where(o_r == t, kdot(KmT, _col(QmT, o_w, t), USE_PTX)[None, :], QK)
+        QK = QK * scale
+        if (i_v == 0) & (i_hv % (HV // H) == 0):  # the record's k̂, once per key head
+            m_kw = m_k[:, None] & m_w[None, :]
+            if RING:
+                rpos = ((wpos + o_w) % R).to(tl.int64)
+                tl.store(rk_ptr + slot * s_rks + rpos[None, :] * s_rkt + i_h * s_rkh + o_k[:, None] * s_rkk, KmT,
+                         mask=m_kw)
             else:
-                b_q = b_q * scale
-            KmT = tl.where(o_w[None, :] == t, b_k[:, None], KmT)
-            KK = tl.where(o_r == t, kdot(KmT, b_k, USE_PTX)[None, :], KK)
-            QK = tl.where(o_r == t, kdot(KmT, b_q, USE_PTX)[None, :], QK)
-            KS = tl.where(o_r == t, kdot(b_h, b_k, USE_PTX)[None, :], KS)
-            QS = tl.where(o_r == t, kdot(b_h, b_q, USE_PTX)[None, :], QS)
-            if write_k & (bos + t < eos):  # the record's k̂
+                tl.store(rk_ptr + tok[None, :] * s_rkt + i_h * s_rkh + o_k[:, None] * s_rkk, KmT, mask=m_kw)
+        # ---- the state, once, in chunks of KC key rows: A_K = K^T S, A_Q = Q^T S (raw k, q)
+        AK = tl.zeros([WP, BV], dtype=tl.float32)
+        AQ = tl.zeros([WP, BV], dtype=tl.float32)
+        if (W > 0) | fold:
+            for c in range(0, BK // KC):  # a runtime loop: one chunk's registers live at a time
+                rows = c * KC + o_c
+                m_r = rows < K
+                m_s = m_r[:, None] & m_v[None, :]
+                b_s = tl.load(base + rows[:, None] * s_sk + o_v[None, :] * s_sv, mask=m_s, other=0).to(tl.float32)
                 if RING:
-                    tl.store(rk_ptr + slot * s_rks + ((wpos + t) % R) * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k,
-                             mask=m_k)
-                else:
-                    tl.store(rk_ptr + (bos + t) * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
+                    if fold:  # S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T, stored once
+                        b_s = b_s * tl.exp(GP)
+                        if PP <= 4:  # every record at once: one rank-PP update
+                            kpT = tl.load(rk_ptr + slot * s_rks + pos_p[:, None] * s_rkt + i_h * s_rkh
+                                          + rows[None, :] * s_rkk, mask=m_p[:, None] & m_r[None, :], other=0)
+                            u_p = tl.load(ru_ptr + slot * s_rus + pos_p[:, None] * s_rut + i_hv * s_ruh
+                                          + o_v[None, :] * s_ruv, mask=m_p[:, None] & m_v[None, :], other=0)
+                            b_s = chain_rows(b_s, kpT * e_p[:, None], u_p)
+                        else:  # a runtime loop: one record's registers live at a time
+                            for i_p in range(pn):
+                                pos = (p0 + i_p) % R
+                                b_kp = tl.load(rk_ptr + slot * s_rks + pos * s_rkt + i_h * s_rkh + rows * s_rkk,
+                                               mask=m_r, other=0)
+                                b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv,
+                                               mask=m_v, other=0)
+                                b_s = tl.fma((b_kp * _at(e_p, o_p, i_p))[:, None], b_up[None, :], b_s)
+                        b_st = b_s.to(state_ptr.dtype.element_ty)
+                        tl.store(base + rows[:, None] * s_sk + o_v[None, :] * s_sv, b_st, mask=m_s)
+                        b_s = b_st.to(tl.float32)
+                m_rw = m_r[:, None] & m_w[None, :]
+                x_k = tl.load(k_ptr + tok[None, :] * s_kt + i_h * s_kh + rows[:, None] * s_kk, mask=m_rw,
+                              other=0).to(tl.float32)
+                x_q = tl.load(q_ptr + tok[None, :] * s_qt + i_h * s_qh + rows[:, None] * s_qk, mask=m_rw,
+                              other=0).to(tl.float32)
+                if RING:
+                    if hist:  # the window's raw keys and queries against the pending k̂
+                        kp = tl.load(rk_ptr + slot * s_rks + pos_p[None, :] * s_rkt + i_h * s_rkh
+                                     + rows[:, None] * s_rkk, mask=m_r[:, None] & m_p[None, :], other=0)
+                        Dk = chain_rows(Dk, x_k, kp)
+                        Dq = chain_rows(Dq, x_q, kp)
+                AK = chain_rows(AK, x_k, b_s)
+                AQ = chain_rows(AQ, x_q, b_s)
+        KS = AK * ik[:, None]
+        QS = (AQ * iq[:, None]) * scale
+        if RING:
+            if hist:  # X S_P = exp(G_P) X S0 + sum_p exp(G_P - G_p) (X k̂_p) u_p^T
+                eGP = tl.exp(GP)
+                KS = KS * eGP
+                QS = QS * eGP
+                CK = (Dk * ik[:, None]) * e_p[None, :]
+                CQ = ((Dq * iq[:, None]) * scale) * e_p[None, :]
+                for i_p in range(pn):
+                    pos = (p0 + i_p) % R
+                    b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
+                    KS = tl.fma(_col(CK, o_p, i_p)[:, None], b_up[None, :], KS)
+                    QS = tl.fma(_col(CQ, o_p, i_p)[:, None], b_up[None, :], QS)
         # ---- gates: cumulative log decays of the window (a chain in token order, in both
         # orientations), betas
         b_g = tl.load(g_ptr + tok * s_gt + i_hv * s_gh, mask=m_w, other=0).to(tl.float32)
@@ -203,7 +355,7 @@ def gdn_closed_form_kernel(
         eG = tl.exp(Gw)
         b_v = tl.load(v_ptr + tok[:, None] * s_vt + i_hv * s_vh + o_v[None, :] * s_vv,
                       mask=m_w[:, None] & m_v[None, :], other=0).to(tl.float32)
-        Rm = b_beta[:, None] * (b_v - eG[:, None] * KS)
+        Rm = b_beta[:, None] * tl.fma(-eG[:, None], KS, b_v)  # one rounding whatever the layouts
         U = tl.zeros([WP, BV], dtype=tl.float32)
         O = eG[:, None] * QS
         for j in tl.static_range(WP):
@@ -225,10 +377,36 @@ def gdn_closed_form_kernel(
                 tl.store(rg_ptr + tok * s_rgt + i_hv * s_rgh, tl.exp(b_g), mask=m_w)
 
 
+#: Register cap of the closed-form kernel (``maxnreg``): 16 one-warp programs per SM, so their
+#: state loads overlap. Measured on the H200 (docs/perf-notes.md, fast mode v4): the lazy and
+#: folded forms and W=8 ran at 227-255 registers without it; with it, 99 us instead of 129 us
+#: (fold of 4, B=64) and 76 us instead of 89 us (W=8). Not passed to the Triton interpreter.
+MAX_REGISTERS = 128
+
+
+def key_chunk(BK: int, WP: int, ring: bool) -> int:
+    """Key rows per chunk of the closed-form kernel's state loop (a power of two <= ``BK``).
+
+    The window's keys and queries on a chunk, ``2 * KC * WP`` values, are replicated in every
+    thread, so the chunk shrinks as the window grows. Measured on the H200 (B=64, fp32,
+    docs/perf-notes.md): plain W=4 8 rows 44.0 us (4 rows 47.4), W=2 4 rows 40.5 (16 rows 49.8),
+    W=8 4 rows 76.2 (2 rows 116); the ring forms (fold, history) 4 rows. Bits do not depend on it
+    for the state products (one FMA chain over the key axis whatever the chunk)."""
+    kc = 8 if WP == 4 and not ring else (4 if WP <= 8 else 2)
+    return max(1, min(kc, BK))
+
+
 def window_block(max_window: int) -> int:
     """The kernel's window block ``WP = next_pow2(max(1, max_window))`` (a constexpr: one
     binary per power of two)."""
     return next_power_of_2(max(1, int(max_window)))
+
+
+def pending_block(positions: int, max_window: int) -> int:
+    """The kernel's pending block ``PP = next_pow2(R - max_window)`` (at least 1): a valid pending
+    count is at most ``R - max_window`` (validated); kernel and twin clamp a count to
+    ``min(R, PP)``."""
+    return next_power_of_2(max(1, int(positions) - int(max_window)))
 
 
 def ring_positions(max_pending: int, max_window: int) -> int:
@@ -266,14 +444,16 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         R = ru.shape[1]
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
     grid = (triton.cdiv(V, BV), B * HV)
+    WP = window_block(max_window)
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
         float(scale), T, state.shape[0], R, int(L),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, WP=window_block(max_window), USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_PTX=use_ptx(), RING=pending is not None, num_warps=num_warps,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=key_chunk(BK, WP, pending is not None), WP=WP,
+        PP=pending_block(R, max_window), USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
+        RING=pending is not None, num_warps=num_warps, **({"maxnreg": MAX_REGISTERS} if use_ptx() else {}),
     )
 
 
@@ -302,7 +482,7 @@ def closed_form_cpu(q, k, v, g, beta, state, slots, query_start_loc, out, record
         s0 = state[slot].to(torch.float32)
         history = None
         if pending is not None:
-            p0, pn = min(max(starts[b], 0), R - 1), min(max(counts[b], 0), R)
+            p0, pn = min(max(starts[b], 0), R - 1), min(max(counts[b], 0), R, pending_block(R, max_window))
             pos = [(p0 + j) % R for j in range(pn)]
             if pn > 0 and pn + (eos - bos) > L:  # the fold
                 h = s0.clone()

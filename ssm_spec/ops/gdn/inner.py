@@ -91,6 +91,14 @@ def kdot(x, k, USE_PTX: tl.constexpr):
         kx = k
     else:
         kx = tl.broadcast_to(k[:, None], x.shape)
+    return kdot_pairs(x, kx, USE_PTX)
+
+
+@triton.jit
+def kdot_pairs(x, kx, USE_PTX: tl.constexpr):
+    """:func:`kdot` of two tensors of one shape, column by column: ``sum_i x[i, j] * kx[i, j]``
+    (``[BK]`` or ``[BK, N]``), in :func:`kdot`'s order (so a column's bits equal ``kdot`` of
+    that column)."""
     if x.shape[0] >= 8:
         x_a, x_b = _top_halves(x)
         k_a, k_b = _top_halves(kx)
@@ -244,9 +252,9 @@ TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int,
         "verify": ((2, 8, 1), (None, 32, 1)),
         "snapshot": ((4, 16, 1), (None, 64, 2)),
         "commit": ((None, 64, 4),),
-        # fast mode (2026-12-01, B=64, scripts/tune_closed_form.py on the kernel before the last
-        # history change): W=4 32/1 79.8 us (16/1 100, 64/2 95); W=2 16/1 50.2 ~ 32/1 50.3
-        "closed_form": ((None, 32, 1),),
+        # fast mode v4, the streamed state (2026-12-01, B=64, W=4, scripts/tune_closed_form.py):
+        # 128/1 44.0 us, 64/1 53.4, 32/1 77.8 (one warp owns whole state rows: no cross-lane sums)
+        "closed_form": ((None, 128, 1),),
     },
     # verify 32/1 (B=4 8.4, B=64 61.8); snapshot 32/1 (10.2, 107.0); commit 32/2 (57.1 at k=3, B=64,
     # the 2026-11-29 sweep)
@@ -254,7 +262,7 @@ TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int,
         "verify": ((None, 32, 1),),
         "snapshot": ((None, 32, 1),),
         "commit": ((None, 32, 2),),
-        "closed_form": ((None, 32, 1),),  # not swept for bf16: fp32's tile
+        "closed_form": ((None, 128, 1),),  # not swept for bf16: fp32's tile
     },
 }
 KERNELS = ("verify", "snapshot", "commit", "closed_form")
@@ -309,6 +317,8 @@ def gdn_tile_config(K: int, V: int, kernel: str = "verify",
         raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
     entries = TILES.get((K, V, state_dtype), {}).get(kernel)
     if not entries:
+        if kernel == "closed_form":  # it streams the state: one warp over whole rows (up to 128 values)
+            return block_k(K), min(next_power_of_2(V), 128), 1
         return _default_tile(K, V)
     # every table ends with a ``None`` bound (tested), so a batch past every bound takes it
     _, bv, warps = next(e for e in entries if e[0] is None or (batch is not None and batch <= e[0]))
