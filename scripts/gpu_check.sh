@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-fast] [fast] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
@@ -93,6 +93,11 @@ for part in $PARTS; do
       python3 benchmarks/bench_ops.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_ops.log" 2>&1
       python3 benchmarks/bench_step.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_step.log" 2>&1
       summary+=("fast: $(grep -E "^best" "$OUT/fast_mode/tune.log" | tr '\n' ';')")
+      ;;
+    train-demo)  # the demo pair (scripts/train_demo_model.py), packed in one file for the device tool
+      python3 scripts/train_demo_model.py --out "$OUT/demo" > "$OUT/train_demo.log" 2>&1
+      tar -C "$OUT" -cf "$OUT/demo.tar" demo && rm -rf "$OUT/demo"
+      summary+=("train-demo: $(grep -E "held-out bits per byte" "$OUT/train_demo.log")")
       ;;
     ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)
       for spec in ${NCU:-verify:- commit:- snapshot:- folded:-}; do
