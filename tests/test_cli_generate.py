@@ -263,3 +263,29 @@ def test_a_draft_with_another_vocabulary_is_refused_before_any_model_loads(capsy
     assert cli.main(["generate", "--draft", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "vocabulary has 300 tokens" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", ["--model", "--draft"])
+def test_demo_missing_from_the_build_is_one_line_before_any_model_loads(capsys, no_model_loads, monkeypatch,
+                                                                         tmp_path, option):
+    monkeypatch.setenv("SSM_SPEC_DEMO_DIR", str(tmp_path))  # a build without the demo pair
+    assert cli.main(["generate", option, "demo"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ssm-spec generate: error: {option} demo: "), lines
+    assert "train_demo_model.py" in lines[0]
+
+
+def test_named_models_resolve_to_what_they_stand_for(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(model="tiny-random", draft="prompt-lookup")
+    cli_generate.resolve_names(args)
+    assert args.model is None and args.draft == "prompt-lookup"  # the embedded random model
+    for name in ("target", "draft"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("SSM_SPEC_DEMO_DIR", str(tmp_path))
+    args = SimpleNamespace(model="demo", draft="demo")
+    cli_generate.resolve_names(args)
+    assert (args.model, args.draft) == (str(tmp_path / "target"), str(tmp_path / "draft"))

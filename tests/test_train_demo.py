@@ -29,9 +29,9 @@ def test_stdlib_split_is_fixed_without_test_code():
     assert 0.5 / tdm.HELD_OUT_EVERY < frac < 2.0 / tdm.HELD_OUT_EVERY
 
 
-def run(argv, timeout=600):
+def run(argv, timeout=600, env=None):
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.stdout
 
@@ -57,12 +57,14 @@ def test_smoke_run_writes_the_pair_and_its_manifest(smoke_run):
     assert (smoke_run / "loss.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("draft, tokens", [("prompt-lookup", 48), ("draft", 12)])
-def test_smoke_checkpoints_decode_exactly_through_the_cli(smoke_run, draft, tokens):
+@pytest.mark.parametrize("named, draft, tokens", [(False, "prompt-lookup", 48), (True, "demo", 12)])
+def test_smoke_checkpoints_decode_exactly_through_the_cli(smoke_run, named, draft, tokens):
     """The saved pair loads offline (bf16 safetensors, run in fp32) and the converted model's
-    speculative decoding gives plain greedy's tokens, with prompt lookup and with the draft."""
-    draft_arg = draft if draft == "prompt-lookup" else str(smoke_run / "draft")
-    out = run(["-m", "ssm_spec", "generate", "--model", str(smoke_run / "target"), "--draft", draft_arg,
-               "--check", "--max-new-tokens", str(tokens), "--repeats", "1", "--warmup", "1", "--device", "cpu"])
+    speculative decoding gives plain greedy's tokens, with prompt lookup (the target by path) and
+    with the draft (both by the name ``demo``, looked up in ``SSM_SPEC_DEMO_DIR``)."""
+    model = "demo" if named else str(smoke_run / "target")
+    out = run(["-m", "ssm_spec", "generate", "--model", model, "--draft", draft, "--check", "--max-new-tokens",
+               str(tokens), "--repeats", "1", "--warmup", "1", "--device", "cpu"],
+              env={"SSM_SPEC_DEMO_DIR": str(smoke_run)})
     line = next(ln for ln in out.splitlines() if ln.startswith("tokens equal plain greedy"))
     assert line.split()[-1] == "yes", out

@@ -55,15 +55,18 @@ class CLIError(Exception):
 # ---------------------------------------------------------------------------------- arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` options to ``parser`` (an argparse subparser)."""
-    parser.add_argument("--model", metavar="PATH", default=None,
-                        help="a local Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny "
-                             f"{TINY_KIND} model with random weights and a byte tokenizer)")
+    parser.add_argument("--model", metavar="tiny-random|demo|PATH", default=None,
+                        help="a local Qwen3-Next / Qwen3.5 checkpoint directory, 'demo' (the packaged demo "
+                             "model trained on the standard library's source, when this build has it) or "
+                             f"'tiny-random' (the embedded tiny {TINY_KIND} model with random weights and a byte "
+                             "tokenizer; the default)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a short repetitive sentence)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens to generate (256)")
-    parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|PATH",
+    parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|demo|PATH",
                         help="where drafts come from: prompt lookup (default), 'self' (the model drafts for "
-                             "itself: every draft is accepted), or a local causal LM checkpoint used as the "
-                             "assistant model (converted with apply_recoverssm when it has GDN layers)")
+                             "itself: every draft is accepted), 'demo' (the packaged demo draft), or a local "
+                             "causal LM checkpoint used as the assistant model (converted with apply_recoverssm "
+                             "when it has GDN layers)")
     parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="K",
                         help="drafts per round: prompt_lookup_num_tokens, or the assistant's "
                              "num_assistant_tokens (5)")
@@ -94,6 +97,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokens (the unconverted model's; exit status 1 if not); needs greedy decoding")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bars or notes on stderr (the text and the table still print)")
+
+
+def resolve_names(args) -> None:
+    """Replace the named checkpoints by what they stand for: ``--model tiny-random`` by the
+    embedded tiny model (``None``), ``--model demo`` / ``--draft demo`` by the packaged demo
+    pair's directories (:mod:`ssm_spec.assets`).
+
+    Raises:
+        CLIError: ``demo`` asked for and not in this build.
+    """
+    from ..assets import demo_checkpoint
+
+    def demo(name, option):
+        try:
+            return str(demo_checkpoint(name))
+        except FileNotFoundError as exc:
+            raise CLIError(f"{option} demo: {exc}") from None
+
+    if args.model == "tiny-random":
+        args.model = None
+    elif args.model == "demo":
+        args.model = demo("target", "--model")
+    if args.draft == "demo":
+        args.draft = demo("draft", "--draft")
 
 
 def _validate(args) -> None:
@@ -187,13 +214,13 @@ def _note(args, message: str) -> None:
 
 def _checkpoint_dir(path: str, option: str) -> Path:
     if not str(path).strip():
-        expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
-                    else "a local checkpoint directory")
+        expected = ("prompt-lookup, self, demo, or a local checkpoint directory" if option == "--draft"
+                    else "tiny-random, demo, or a local checkpoint directory")
         raise CLIError(f"{option}: empty (expected {expected})")
     p = Path(path).expanduser()
     if not p.exists():
-        expected = ("prompt-lookup, self, or a local checkpoint directory" if option == "--draft"
-                    else "a local checkpoint directory; nothing is downloaded")
+        expected = ("prompt-lookup, self, demo, or a local checkpoint directory" if option == "--draft"
+                    else "tiny-random, demo, or a local checkpoint directory; nothing is downloaded")
         raise CLIError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():
         raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
@@ -613,6 +640,7 @@ def run(args) -> int:
     from .apply import apply_recoverssm
     from .tiny import tiny_config
 
+    resolve_names(args)
     _validate(args)
     device = check_device(args.device)
     config = check_model_dir(args)  # cheap checks first: nothing loads for a wrong path or model type
