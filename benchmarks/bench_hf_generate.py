@@ -1,8 +1,10 @@
 """Benchmark transformers ``generate`` against prompt lookup through ``RecoverSSMCache``.
 
-One run builds a random-weight Qwen3-Next with realistic widths
-(:func:`ssm_spec.hf.tiny_model`; default hidden 2048, 8 layers, 16 key / 32 value GDN heads of
-dim 128, 16 attention heads of dim 128 with 2 KV heads, MLP 5632, bf16) and a repetitive byte
+One run builds a random-weight model of one published class with realistic widths
+(:func:`ssm_spec.hf.tiny_model`, ``--kind``: Qwen3-Next dense or with expert layers, Qwen3.5
+dense, mixture-of-experts or the vision-language class; default hidden 2048, 8 layers, 16 key /
+32 value GDN heads of dim 128, 16 attention heads of dim 128 with 2 KV heads, MLP 5632; the
+expert kinds: 64 experts of width 512, top-8, plus a shared expert of width 512; bf16) and a repetitive byte
 prompt (a sentence repeated ``--prompt-repeats`` times, batch 1), then measures, each after a
 warm-up ``generate`` (full length by default, so every kernel is compiled and every draft width
 seen) and as the median of ``--repeats`` timed calls:
@@ -80,6 +82,7 @@ from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, r
                       write_results)
 
 from ssm_spec.hf.kernels import hf_reference_kernels
+from ssm_spec.hf.tiny import KINDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUNS = ("hf", "hf-torch", "ours", "ours+lookup", "graphs", "graphs+lookup")
@@ -98,10 +101,21 @@ SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in t
 #: Widths of the default (H200) model and of ``--quick``.
 FULL = dict(hidden=2048, layers=8, key_heads=16, value_heads=32, head_dim=128, attn_heads=16,
             kv_heads=2, attn_head_dim=128, intermediate=5632, new_tokens=256, repeats=2,
-            forward_reps=20, prompt_repeats=4)
+            forward_reps=20, prompt_repeats=4, experts=64, experts_per_token=8, moe_intermediate=512)
 QUICK = dict(hidden=64, layers=4, key_heads=2, value_heads=4, head_dim=16, attn_heads=4,
              kv_heads=2, attn_head_dim=16, intermediate=128, new_tokens=32, repeats=1,
-             forward_reps=5, prompt_repeats=3)
+             forward_reps=5, prompt_repeats=3, experts=4, experts_per_token=2, moe_intermediate=32)
+
+
+def is_moe(kind: str) -> bool:
+    """Whether ``kind`` has expert layers (``qwen3_next_moe``, ``qwen3_5_moe``)."""
+    return "moe" in kind
+
+
+def result_name(kind: str, dtype: str) -> str:
+    """The results file's stem: ``hf_generate_<dtype>`` for the dense Qwen3-Next (the first
+    benchmark's name, kept), ``hf_generate_<kind>_<dtype>`` for every other kind."""
+    return f"hf_generate_{dtype}" if kind == "qwen3_next" else f"hf_generate_{kind}_{dtype}"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -291,10 +305,14 @@ def time_forwards(model, prompt, clock, widths, reps, warmup, *, rollback: bool,
     def ones(n):
         return torch.ones(1, n, dtype=torch.long, device=prompt.device)
 
+    def positions(start, n):  # explicit, as generate passes them (the vision-language class needs them)
+        return torch.arange(start, start + n, device=prompt.device)[None]
+
     with torch.no_grad():
         cache = make_cache()
         kw = {key: cache} if cache is not None else {}
-        out = model(input_ids=prompt, attention_mask=ones(seen), use_cache=True, **kw)
+        out = model(input_ids=prompt, attention_mask=ones(seen), position_ids=positions(0, seen), use_cache=True,
+                    **kw)
         if cache is None:
             cache = output_cache(out)
         if rollback:
@@ -305,7 +323,8 @@ def time_forwards(model, prompt, clock, widths, reps, warmup, *, rollback: bool,
             for i in range(warmup + reps):
                 mask = ones(seen + W)
                 t0 = clock()
-                model(input_ids=x, attention_mask=mask, use_cache=True, **{key: cache})
+                model(input_ids=x, attention_mask=mask, position_ids=positions(seen, W), use_cache=True,
+                      **{key: cache})
                 t1 = clock()
                 if rollback:
                     cache.crop(-W)
@@ -346,6 +365,9 @@ def run(args) -> dict:
                linear_num_value_heads=args.value_heads, linear_head_dim=args.head_dim,
                num_attention_heads=args.attn_heads, num_key_value_heads=args.kv_heads,
                head_dim=args.attn_head_dim, intermediate_size=args.intermediate)
+    if is_moe(args.kind):
+        cfg.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                   moe_intermediate_size=args.moe_intermediate, shared_expert_intermediate_size=args.moe_intermediate)
     init = dict(std=args.std, embed_std=args.embed_std, residual_scale=args.residual_scale)
     with phases("build"):
         model = tiny_model(args.kind, seed=args.seed, dtype=dtype, **init, **cfg).to(device)
@@ -494,8 +516,10 @@ def print_table(res: dict) -> None:
           f"fla-core {env['fla_core'] or '-'}")
     print(f"{c['kind']} hidden={c['hidden_size']} layers={c['num_layers']} GDN {c['linear_num_key_heads']}k/"
           f"{c['linear_num_value_heads']}v x {c['linear_head_dim']}  attn {c['num_attention_heads']}q/"
-          f"{c['num_key_value_heads']}kv x {c['head_dim']}  mlp {c['intermediate_size']}  "
-          f"({c['params'] / 1e6:.0f}M)  {c['dtype']}, state {c['state_dtype']}")
+          f"{c['num_key_value_heads']}kv x {c['head_dim']}  "
+          + (f"experts {c['num_experts']} x {c['moe_intermediate_size']} top-{c['num_experts_per_tok']} + shared  "
+             if "num_experts" in c else f"mlp {c['intermediate_size']}  ")
+          + f"({c['params'] / 1e6:.0f}M)  {c['dtype']}, state {c['state_dtype']}")
     print(f"prompt {c['prompt_len']} tokens, {c['new_tokens']} new tokens, k={k} drafts, batch 1, greedy, "
           f"median of {c['repeats']}")
     print_kernels(res)
@@ -621,7 +645,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="tiny widths and few tokens (a CPU smoke run)")
-    p.add_argument("--kind", choices=["qwen3_next", "qwen3_5"], default="qwen3_next", help="model family")
+    p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
+                   help="model class (ssm_spec.hf.tiny.KINDS): the *_moe kinds have expert layers in every layer; "
+                        "qwen3_5_vl is the vision-language class, run on text prompts")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="model dtype")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="recurrent state dtype of the RecoverSSM cache")
@@ -638,6 +664,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attn-head-dim", type=int, default=None,
                    help=f"attention head dim (default {FULL['attn_head_dim']})")
     p.add_argument("--intermediate", type=int, default=None, help=f"MLP width (default {FULL['intermediate']})")
+    p.add_argument("--experts", type=int, default=None,
+                   help=f"experts per layer, the *_moe kinds (default {FULL['experts']})")
+    p.add_argument("--experts-per-token", type=int, default=None,
+                   help=f"routed experts per token, the *_moe kinds (default {FULL['experts_per_token']})")
+    p.add_argument("--moe-intermediate", type=int, default=None,
+                   help=f"width of each expert and of the shared expert (default {FULL['moe_intermediate']})")
     p.add_argument("--new-tokens", type=int, default=None,
                    help=f"tokens every run generates (default {FULL['new_tokens']})")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="prompt_lookup_num_tokens (k)")
@@ -683,6 +715,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--value-heads must be a multiple of --key-heads")
     if args.attn_heads % args.kv_heads:
         p.error("--attn-heads must be a multiple of --kv-heads")
+    if not 1 <= args.experts_per_token <= args.experts or args.moe_intermediate < 1:
+        p.error("--experts-per-token must be in 1..--experts, --moe-intermediate >= 1")
     if min(args.new_tokens, args.num_draft_tokens, args.repeats, args.forward_reps, args.warmup_tokens) < 1:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
     resolve_out_dir(p, args, smoke=args.quick or torch.device(args.device).type == "cpu")
@@ -693,7 +727,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     res = run(args)
     print_table(res)
-    write_results(res, args.out_dir, f"hf_generate_{args.dtype}", save_plot)
+    write_results(res, args.out_dir, result_name(args.kind, args.dtype), save_plot)
     return res
 
 

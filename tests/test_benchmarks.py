@@ -99,3 +99,17 @@ def test_save_is_refused_for_a_smoke_run(script):
                           [sys.executable, f"benchmarks/{script}", "--device", "cpu", "--save"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--save" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl"])
+def test_bench_hf_generate_runs_every_published_class(tmp_path, kind):
+    """The expert and vision-language kinds run the whole benchmark (CPU, tiny widths) and name
+    their results ``hf_generate_<kind>_<dtype>``; the expert kinds record their expert widths."""
+    argv = [sys.executable, "benchmarks/bench_hf_generate.py", "--device", "cpu", "--quick", "--kind", kind,
+            "--out-dir", str(tmp_path), *CHEAPER["bench_hf_generate.py"]]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / f"hf_generate_{kind}_bfloat16.json").read_text())
+    assert res["config"]["kind"] == kind and res["speedup_lookup_over_hf"] > 0
+    if "moe" in kind:
+        assert res["config"]["num_experts"] == 4 and res["config"]["num_experts_per_tok"] == 2
