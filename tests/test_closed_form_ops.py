@@ -190,8 +190,11 @@ def test_closed_form_opcheck_and_compile(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_closed_form_bits_do_not_depend_on_the_tile_on_gpu():
-    """Every sum has an order of the code's (kdot, token-order chains): tiles change speed only."""
-    from ssm_spec.ops.gdn.closed_form import launch_closed_form
+    """Every sum has an order of the code's (key-order FMA chains, kdot, token-order chains):
+    tiles change speed only. The ring forms at L=4 (a fold of at most 4 records: one block) and
+    L=16 (more than 4 pending: the per-record fold loop, and the history path), the table's tile
+    (128/1) included."""
+    from ssm_spec.ops.gdn.closed_form import launch_closed_form, ring_positions
 
     dev = torch.device("cuda")
     Hq, HVq, Kq, Vq = 16, 32, 128, 128
@@ -200,21 +203,26 @@ def test_closed_form_bits_do_not_depend_on_the_tile_on_gpu():
     src = i32([0, 1, 2, -1, 4, 5, 6, 7], dev)
     inp = gdn_inputs(int(qsl[-1]), Hq, HVq, Kq, Vq, dev, gen=torch.Generator().manual_seed(5))
     pool = random_pool(8, HVq, Kq, Vq, dev)
-    R = 8
-    base_ring = RecordRing(*(torch.randn_like(x) for x in RecordRing.zeros(8, R, Hq, HVq, Kq, Vq, dev)))
-    base_ring = RecordRing(base_ring.u, base_ring.k / base_ring.k.norm(dim=-1, keepdim=True), -base_ring.g.abs())
-    start, count = i32([0, 3, 1, 0, 7, 2, 0, 5], dev), i32([3, 1, 4, 0, 2, 0, 4, 1], dev)
+    rings = {}
+    for L, count in ((4, [3, 1, 4, 0, 2, 0, 4, 1]), (16, [13, 5, 16, 0, 9, 12, 16, 3])):
+        R = ring_positions(L, 4)
+        ring = RecordRing(*(torch.randn_like(x) for x in RecordRing.zeros(8, R, Hq, HVq, Kq, Vq, dev)))
+        ring = RecordRing(ring.u, ring.k / ring.k.norm(dim=-1, keepdim=True), -ring.g.abs())
+        rings[L] = (ring, i32([0, 3, 1, 0, R - 1, 2, 0, 5], dev), i32(count, dev))
     results = []
-    for tile in ((128, 8, 1), (128, 16, 1), (128, 32, 1), (128, 32, 2), (128, 64, 4)):
+    for tile in ((128, 8, 1), (128, 16, 1), (128, 32, 1), (128, 32, 2), (128, 64, 4), (128, 128, 1)):
         T = inp.q.shape[0]
         out = torch.full((T, HVq, Vq), NAN, device=dev)
         rec = (torch.full((T, HVq, Vq), NAN, device=dev), torch.full((T, Hq, Kq), NAN, device=dev),
                torch.full((T, HVq), NAN, device=dev))
         launch_closed_form(*inp.args(), pool, src, qsl, out, rec, 4, Kq**-0.5, True, config=tile)
-        p2, r2, o2 = pool.clone(), RecordRing(*(x.clone() for x in base_ring)), torch.full_like(out, NAN)
-        launch_closed_form(*inp.args(), p2, src, qsl, o2, r2, 4, Kq**-0.5, True, pending=(start, count, 4),
-                           config=tile)
-        results.append((out, *rec, o2, p2, *r2))
+        got = [out, *rec]
+        for L, (base_ring, start, count) in rings.items():
+            p2, r2, o2 = pool.clone(), RecordRing(*(x.clone() for x in base_ring)), torch.full_like(out, NAN)
+            launch_closed_form(*inp.args(), p2, src, qsl, o2, r2, 4, Kq**-0.5, True, pending=(start, count, L),
+                               config=tile)
+            got += [o2, p2, *r2]
+        results.append(got)
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0))

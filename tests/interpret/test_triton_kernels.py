@@ -431,3 +431,101 @@ def test_closed_form_kernel_matches_cpu_twin_in_every_tile(shape):
         live = ~torch.isnan(want)
         assert rel_err(got[live], want[live]) < 1e-5
     assert torch.equal(runs[0][5][[1, 3, 4]], pool[[1, 3, 4]])  # slots no row names
+
+
+@pytest.mark.parametrize("case", ["lazy16", "lazy16-raw-extreme-gates", "flush"])
+def test_closed_form_ring_kernel_matches_cpu_twin_past_four_pending(case):
+    """The ring form with more than 4 pending records (``PP = 16`` or 32: the per-record fold loop
+    and a ``[W, 16]`` history block), pending counts up to ``R - max_window`` wrapping round the
+    ring, folds, history rows, empty windows, a null slot and one past the pool; ``K`` not a power
+    of two and a masked V tile; ``use_qk_l2norm=False`` with gates and betas at their extremes
+    (g = -50 and 0, beta 0 and 1), and a flush (``max_pending = 0``, every window empty). Near the
+    CPU twin, bits equal across tiles; the ring's positions that hold no pending record are NaN and
+    must not be read; whatever the twin leaves (slots no row names, states of rows that do not
+    fold, ring positions, tokens outside windows) the kernel leaves bit for bit. The plain form on
+    the same windows too."""
+    from ssm_spec.ops.gdn.closed_form import RecordRing, closed_form_cpu, launch_closed_form, pending_block
+
+    HV, H, K, V = 2, 1, 12, 20
+    if case == "flush":
+        L, max_window, R = 0, 0, 20  # a pool of max_pending 16, max_window 4, flushed: PP = 32
+        lengths = [0] * 9
+        counts, starts = [16, 1, 20, 0, 5, 3, 7, 4, 2], [19, 0, 5, 3, 17, 2, 4, 1, 6]
+    else:
+        L, max_window, R = 16, 4, 20  # ring_positions(16, 4): PP = 16
+        # fold (16 + 4 > 16, wrapping) / fold with W=1 / history (12 + 4 = 16) / history, W=1 /
+        # nothing pending / pending, empty window / fold of 13 / null slot / slot past the pool
+        lengths = [4, 1, 4, 0, 4, 0, 3, 2, 4]
+        counts, starts = [16, 16, 12, 15, 0, 16, 14, 3, 9], [19, 8, 15, 18, 4, 0, 7, 1, 2]
+    slots = [0, 1, 2, 3, 4, 5, 6, -1, 9]
+    S = 9  # slots 7 and 8: no row names them
+    qsl = qsl_from_lengths(lengths, "cpu")
+    T = int(qsl[-1]) + 1  # the last token lies outside every window
+    src, start, count = i32(slots, "cpu"), i32(starts, "cpu"), i32(counts, "cpu")
+    use_qk_l2norm = case != "lazy16-raw-extreme-gates"
+    inp = gdn_inputs(T, H, HV, K, V, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    ring0 = RecordRing(torch.randn(S, R, HV, V, generator=gen), torch.randn(S, R, H, K, generator=gen),
+                       -torch.rand(S, R, HV, generator=gen))
+    ring0 = RecordRing(ring0.u, ring0.k / ring0.k.norm(dim=-1, keepdim=True), ring0.g)
+    if not use_qk_l2norm:  # g -50 / 0 / random, beta 0 / 1 / random, by token and head
+        pick = torch.arange(T * HV).view(T, HV)
+        inp.g.copy_(torch.where(pick % 3 == 0, -50.0, torch.where(pick % 3 == 1, 0.0, inp.g)))
+        inp.beta.copy_(torch.where(pick // 3 % 3 == 0, 0.0, torch.where(pick // 3 % 3 == 1, 1.0, inp.beta)))
+        pick = torch.arange(S * R * HV).view(S, R, HV) % 3
+        ring0.g.copy_(torch.where(pick == 0, -50.0, torch.where(pick == 1, 0.0, ring0.g)))
+    PP = pending_block(R, max_window)
+    assert PP > 4
+    for b, s in enumerate(slots):  # positions without a pending record: NaN
+        if 0 <= s < S:
+            free = torch.ones(R, dtype=torch.bool)
+            free[[(starts[b] + j) % R for j in range(min(counts[b], R, PP))]] = False
+            for x in ring0:
+                x[s, free] = NAN
+    pool = random_pool(S, HV, K, V, "cpu")
+
+    def bufs():
+        return torch.full((T, HV, V), NAN), pool.clone(), RecordRing(*(x.clone() for x in ring0))
+
+    runs = []
+    for tile in ((16, 8, 1), (16, 32, 2)):
+        out, p, r = bufs()
+        launch_closed_form(*inp.args(), p, src, qsl, out, r, max_window, K**-0.5, use_qk_l2norm,
+                           pending=(start, count, L), config=tile)
+        runs.append((out, p, *r))
+    for a, b in zip(*runs):
+        assert same_bits(a, b)
+    out, p, r = bufs()
+    closed_form_cpu(*inp.args(), p, src, qsl, out, r, max_window, K**-0.5, use_qk_l2norm, pending=(start, count, L))
+    want = (out, p, *r)
+    for got, ref, before in zip(runs[0], want, (out, pool, *ring0)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        live = ~torch.isnan(ref)
+        assert rel_err(got[live], ref[live]) < 1e-5
+        if got is not runs[0][0]:  # what the twin leaves, bit for bit
+            kept = (ref.view(torch.int32) == before.view(torch.int32))
+            assert torch.equal(got.view(torch.int32)[kept], before.view(torch.int32)[kept])
+    for b, s in enumerate(slots):
+        bos, eos = int(qsl[b]), int(qsl[b + 1])
+        if eos > bos and 0 <= s < S:
+            assert rel_err(runs[0][0][bos:eos], out[bos:eos]) < 1e-5, b
+        if 0 <= s < S and not same_bits(p[s], pool[s]):  # a folded state
+            assert rel_err(runs[0][1][s], p[s]) < 1e-5, s
+    folded = [s for s in range(S) if not same_bits(p[s], pool[s])]
+    assert folded == ([0, 1, 2, 4, 5, 6] if case == "flush" else [0, 1, 6])
+    assert same_bits(runs[0][1][7:], pool[7:]) and runs[0][0][-1].isnan().all()
+    if case == "flush":
+        return
+    plain = []  # the plain form (records to token rows, the state read only) on the same windows
+    for tile in ((16, 8, 1), (16, 32, 2)):
+        out, p, _ = bufs()
+        rec = (torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN), torch.full((T, HV), NAN))
+        launch_closed_form(*inp.args(), p, src, qsl, out, rec, max_window, K**-0.5, use_qk_l2norm, config=tile)
+        assert same_bits(p, pool)
+        plain.append((out, *rec))
+    out, p, _ = bufs()
+    rec = (torch.full((T, HV, V), NAN), torch.full((T, H, K), NAN), torch.full((T, HV), NAN))
+    closed_form_cpu(*inp.args(), p, src, qsl, out, rec, max_window, K**-0.5, use_qk_l2norm)
+    for a, b, ref in zip(*plain, (out, *rec)):
+        assert same_bits(a, b) and torch.equal(torch.isnan(a), torch.isnan(ref))
+        assert rel_err(a[~torch.isnan(ref)], ref[~torch.isnan(ref)]) < 1e-5

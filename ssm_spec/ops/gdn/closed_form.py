@@ -167,11 +167,11 @@ def _window_keys(k_ptr, q_ptr, tok, i_h, o_k, m_k, m_w, s_kt, s_kh, s_kk, s_qt, 
     return kr * ik[None, :], qr * iq[None, :], ik, iq
 
 
-@triton.jit(do_not_specialize=["T", "S", "R", "L"])
+@triton.jit(do_not_specialize=["T", "S", "R", "L", "PMAX"])
 def gdn_closed_form_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, qsl_ptr, out_ptr,
     ru_ptr, rk_ptr, rg_ptr, pstart_ptr, pcount_ptr,
-    scale, T, S, R, L,
+    scale, T, S, R, L, PMAX,
     s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
     s_ss, s_sh, s_sk, s_sv, s_slot, s_qsl, s_ot, s_oh, s_ov,
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
@@ -186,8 +186,10 @@ def gdn_closed_form_kernel(
     Per chunk: the rows ``S[c] [KC, BV]`` and the window's raw keys and queries on those rows;
     ``A_K += K[c]^T S[c]``, ``A_Q += Q[c]^T S[c]`` as rank-1 FMAs (:func:`chain_rows`: each
     output one FMA chain over the key axis in index order). Then ``K̂ S = diag(1/|k|) A_K``,
-    ``Q̂ S = scale diag(1/|q|) A_Q``. Nothing but a chunk and the two ``[WP, BV]`` accumulators
-    is live in the loop, so many programs are resident and their loads overlap.
+    ``Q̂ S = scale diag(1/|q|) A_Q``. In the plain form nothing but a chunk and the two
+    ``[WP, BV]`` accumulators is live in the loop (the ring forms add the ``[WP, PP]`` products
+    with the pending keys, or one fold block), so many programs are resident and their loads
+    overlap.
 
     ``RING=True`` (the lazy commit, module docstring): a row that folds (``p > 0`` and
     ``p + W > L``) rebuilds each chunk as ``S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T``
@@ -232,7 +234,7 @@ def gdn_closed_form_kernel(
         if RING:
             o_p = tl.arange(0, PP)
             p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_ps), 0), R - 1)
-            pn = tl.minimum(tl.maximum(tl.load(pcount_ptr + i_b * s_pc), 0), tl.minimum(R, PP))
+            pn = tl.minimum(tl.maximum(tl.load(pcount_ptr + i_b * s_pc), 0), PMAX)  # PMAX = R - max_window <= PP
             wpos = (p0 + pn) % R
             m_p = o_p < pn
             pos_p = ((p0 + o_p) % R).to(tl.int64)
@@ -378,9 +380,9 @@ def gdn_closed_form_kernel(
 
 
 #: Register cap of the closed-form kernel (``maxnreg``): 16 one-warp programs per SM, so their
-#: state loads overlap. Measured on the H200 (docs/perf-notes.md, fast mode v4): the lazy and
-#: folded forms and W=8 ran at 227-255 registers without it; with it, 99 us instead of 129 us
-#: (fold of 4, B=64) and 76 us instead of 89 us (W=8). Not passed to the Triton interpreter.
+#: state loads overlap. Measured on the H200 (docs/perf-notes.md, fast mode v4, B=64): the ring
+#: forms ran at 227-255 registers without it; with it a fold of 4 pending took 123 us instead of
+#: 179 us, and the plain W=8 76 us instead of 89 us. Not passed to the Triton interpreter.
 MAX_REGISTERS = 128
 
 
@@ -403,9 +405,10 @@ def window_block(max_window: int) -> int:
 
 
 def pending_block(positions: int, max_window: int) -> int:
-    """The kernel's pending block ``PP = next_pow2(R - max_window)`` (at least 1): a valid pending
-    count is at most ``R - max_window`` (validated); kernel and twin clamp a count to
-    ``min(R, PP)``."""
+    """The kernel's pending block ``PP = next_pow2(R - max_window)`` (at least 1). A valid pending
+    count is at most ``R - max_window`` (validated); kernel and twin clamp a count to that, so the
+    window's records never overwrite a pending record another program may still read, and an
+    unvalidated count gives the same result in every tile."""
     return next_power_of_2(max(1, int(positions) - int(max_window)))
 
 
@@ -447,7 +450,7 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
     WP = window_block(max_window)
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
-        float(scale), T, state.shape[0], R, int(L),
+        float(scale), T, state.shape[0], R, int(L), max(0, R - int(max_window)),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
@@ -482,7 +485,7 @@ def closed_form_cpu(q, k, v, g, beta, state, slots, query_start_loc, out, record
         s0 = state[slot].to(torch.float32)
         history = None
         if pending is not None:
-            p0, pn = min(max(starts[b], 0), R - 1), min(max(counts[b], 0), R, pending_block(R, max_window))
+            p0, pn = min(max(starts[b], 0), R - 1), min(max(counts[b], 0), max(0, R - max_window))
             pos = [(p0 + j) % R for j in range(pn)]
             if pn > 0 and pn + (eos - bos) > L:  # the fold
                 h = s0.clone()
