@@ -645,6 +645,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--quick", action="store_true", help="tiny widths and few tokens (a CPU smoke run)")
+    p.add_argument("--model", default=None, metavar="demo|PATH",
+                   help="benchmark a trained pair instead of a random-weight model: 'demo' (the packaged pair, "
+                        "ssm_spec.assets) or a training run's target directory (scripts/train_demo_model.py), on "
+                        "held-out code prompts (benchmarks/hf_demo.py); --kind and the width options are ignored")
+    p.add_argument("--draft", default=None, metavar="PATH",
+                   help="with --model: the draft checkpoint (default: the pair's)")
+    p.add_argument("--prompt-files", type=int, default=4,
+                   help="with --model: held-out files to prompt from (a continuation and an edit each)")
+    p.add_argument("--prompt-bytes", type=int, default=1024, help="with --model: bytes of each file in its prompts")
     p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
                    help="model class (ssm_spec.hf.tiny.KINDS): the *_moe kinds have expert layers in every layer; "
                         "qwen3_5_vl is the vision-language class, run on text prompts")
@@ -725,6 +734,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.model is not None:  # a trained pair on held-out code prompts
+        from hf_demo import print_demo, run_demo, save_demo_plot
+
+        res = run_demo(args)
+        print_demo(res)
+        write_results(res, args.out_dir, f"hf_generate_demo_{args.dtype}", save_demo_plot)
+        return res
     res = run(args)
     print_table(res)
     write_results(res, args.out_dir, result_name(args.kind, args.dtype), save_plot)

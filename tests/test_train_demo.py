@@ -68,3 +68,20 @@ def test_smoke_checkpoints_decode_exactly_through_the_cli(smoke_run, named, draf
               env={"SSM_SPEC_DEMO_DIR": str(smoke_run)})
     line = next(ln for ln in out.splitlines() if ln.startswith("tokens equal plain greedy"))
     assert line.split()[-1] == "yes", out
+
+
+def test_bench_hf_generate_model_demo_on_held_out_code(smoke_run, tmp_path):
+    """``bench_hf_generate.py --model demo``: continuation and edit prompts from the held-out
+    files, every run's tokens equal plain greedy's (fp32), acceptance recorded for both draft
+    sources."""
+    run(["benchmarks/bench_hf_generate.py", "--device", "cpu", "--quick", "--model", "demo", "--dtype", "float32",
+         "--prompt-files", "1", "--prompt-bytes", "256", "--new-tokens", "12", "--warmup-tokens", "4",
+         "--out-dir", str(tmp_path)], env={"SSM_SPEC_DEMO_DIR": str(smoke_run)})
+    res = json.loads((tmp_path / "hf_generate_demo_float32.json").read_text())
+    assert [p["kind"] for p in res["prompts"]] == ["continuation", "edit"]
+    assert res["prompts"][0]["file"] in json.loads((smoke_run / "demo.json").read_text())["corpus"]["held_out_files"]
+    for name in ("ours", "ours+lookup", "ours+draft"):
+        assert res["summary"][name]["tokens_equal_hf"], name
+    for name in ("ours+lookup", "ours+draft"):
+        assert res["summary"][name]["mean_accepted_length_mean"] >= 1.0
+        assert all(0.0 <= r <= 1.0 for r in res["summary"][name]["position_rates_mean"])

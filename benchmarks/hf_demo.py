@@ -1,0 +1,166 @@
+"""``bench_hf_generate.py --model demo|PATH``: acceptance and speed of a trained pair on held-out code.
+
+The demo pair (``scripts/train_demo_model.py``; :mod:`ssm_spec.assets`) was trained on the
+standard library's source with a fixed held-out set of files (its ``demo.json``). Prompts come
+from those files, read from the running Python's standard library: per file a continuation (its
+first ``--prompt-bytes`` bytes) and an edit (those bytes, a marker comment and the first half
+again with one identifier renamed, so the continuation can copy from the prompt). Per prompt,
+each after a warm-up and as the median of ``--repeats`` calls (the CLI's
+:func:`ssm_spec.hf.cli_generate.timed_generate`):
+
+1. ``hf``: plain greedy ``generate`` on the unconverted target;
+2. ``ours``: the target after ``apply_recoverssm``, no drafts;
+3. ``ours+lookup``: prompt lookup (``prompt_lookup_num_tokens=k``);
+4. ``ours+draft``: the trained draft as the assistant (``num_assistant_tokens=k``), converted too;
+5. with ``--graphs`` on CUDA: (2)-(4) again with ``apply_recoverssm(cuda_graphs=True)``.
+
+Reported: tokens/s, acceptance (mean accepted length, per-position rates, from the
+``RecoverSSMCache`` stats) and whether the tokens equal (1)'s.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sysconfig
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+
+RUNS = ("hf", "ours", "ours+lookup", "ours+draft")
+
+
+def demo_paths(model: str, draft: str | None) -> tuple[Path, Path, dict]:
+    """``(target dir, draft dir, manifest)`` for ``--model demo`` (the packaged pair) or a
+    training run's target directory (its draft and ``demo.json`` beside it unless ``draft``)."""
+    from ssm_spec.assets import demo_checkpoint
+
+    target = demo_checkpoint("target") if model == "demo" else Path(model).expanduser()
+    draft_dir = (demo_checkpoint("draft") if model == "demo" else target.parent / "draft") if draft is None \
+        else Path(draft).expanduser()
+    manifest_path = target.parent / "demo.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    return target, draft_dir, manifest
+
+
+def held_out_prompts(manifest: dict, files: int, prompt_bytes: int, root: Path | None = None) -> list[dict]:
+    """A continuation and an edit prompt per held-out file that this Python's standard library
+    has (the first ``files`` of them). Raises ``ValueError`` when none is found."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    names = manifest.get("corpus", {}).get("held_out_files") or []
+    prompts = []
+    for rel in names:
+        path = root / rel
+        if not path.is_file():
+            continue
+        text = path.read_bytes()[:prompt_bytes].decode("utf-8", errors="ignore")
+        idents = sorted(set(re.findall(r"\bdef ([A-Za-z_]\w{3,})", text)) or
+                        set(re.findall(r"\b([A-Za-z_]\w{5,})\b", text)))
+        half = text[:len(text) // 2]
+        edit = half.replace(idents[0], idents[0] + "_v2") if idents else half
+        prompts.append({"file": rel, "kind": "continuation", "text": text})
+        prompts.append({"file": rel, "kind": "edit", "text": text + "\n\n# edited copy\n" + edit})
+        if len(prompts) >= 2 * files:
+            break
+    if not prompts:
+        raise ValueError(f"none of the manifest's {len(names)} held-out files is under {root}")
+    return prompts
+
+
+def _args(ns, draft: str) -> Namespace:
+    """The CLI's generate arguments for :func:`timed_generate` and :func:`load_draft`."""
+    return Namespace(max_new_tokens=ns.new_tokens, do_sample=False, temperature=None, warmup=ns.warmup_tokens,
+                     repeats=ns.repeats, seed=ns.seed, quiet=True, num_draft_tokens=ns.num_draft_tokens,
+                     confidence_threshold=0.0, draft=draft)
+
+
+def run_demo(ns) -> dict:
+    """Run every prompt through the runs above; returns the results dict (per prompt and summed)."""
+    from ssm_spec.hf import ByteTokenizer, apply_recoverssm
+    from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
+
+    device = torch.device(ns.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[ns.dtype]
+    target_dir, draft_dir, manifest = demo_paths(ns.model, ns.draft)
+    prompts = held_out_prompts(manifest, ns.prompt_files, ns.prompt_bytes)
+    tok = ByteTokenizer()
+    target = _load_pretrained(target_dir, "--model", dtype, device)
+    args = _args(ns, str(draft_dir))
+    ids = [torch.tensor([tok.encode(p["text"])], device=device) for p in prompts]
+    plain = [timed_generate(target, x, args, desc="hf") for x in ids]
+    apply_recoverssm(target)
+    draft, _ = load_draft(args, target, device, dtype)
+    modes = [("", False)] + ([("graphs", True)] if ns.graphs and device.type == "cuda" else [])
+    rows = []
+    for i, (p, x) in enumerate(zip(prompts, ids)):
+        rows.append({"file": p["file"], "kind": p["kind"], "prompt_tokens": x.shape[1],
+                     "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s}}})
+    for prefix, graphs in modes:
+        apply_recoverssm(target, cuda_graphs=graphs)
+        for i, x in enumerate(ids):
+            for name, spec in (("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
+                               ("ours+draft", dict(assistant_model=draft))):
+                key = name.replace("ours", prefix) if prefix else name
+                r = timed_generate(target, x, args, desc=key, speculative=spec)
+                entry = {"tokens_per_s": r.tokens_per_s, "tokens_equal_hf": torch.equal(r.new_tokens, plain[i].new_tokens)}
+                if r.stats is not None:
+                    entry.update(mean_accepted_length=r.stats.mean_accepted_length,
+                                 acceptance_rate=r.stats.acceptance_rate,
+                                 position_rates=list(r.stats.position_rates))
+                rows[i]["runs"][key] = entry
+    names = list(rows[0]["runs"])
+    summary = {}
+    for name in names:
+        vals = [r["runs"][name] for r in rows]
+        s = {"tokens_per_s_median": statistics.median(v["tokens_per_s"] for v in vals)}
+        if "mean_accepted_length" in vals[0]:
+            s["mean_accepted_length_mean"] = statistics.fmean(v["mean_accepted_length"] for v in vals)
+            width = max(len(v["position_rates"]) for v in vals)
+            s["position_rates_mean"] = [statistics.fmean(v["position_rates"][j] if j < len(v["position_rates"])
+                                                         else 0.0 for v in vals) for j in range(width)]
+        if name != "hf":
+            s["tokens_equal_hf"] = all(v["tokens_equal_hf"] for v in vals)
+            s["speedup_over_hf"] = s["tokens_per_s_median"] / summary["hf"]["tokens_per_s_median"]
+        summary[name] = s
+    return {"model": str(target_dir), "draft": str(draft_dir), "dtype": ns.dtype, "device": str(device),
+            "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens, "repeats": ns.repeats,
+            "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary}
+
+
+def print_demo(res: dict) -> None:
+    print(f"demo pair: {res['model']} + {res['draft']}, {res['dtype']} on {res['device']}, "
+          f"{res['new_tokens']} new tokens, k={res['num_draft_tokens']}, {len(res['prompts'])} prompts")
+    print(f"{'run':<16} | {'tok/s (median)':>14} | {'vs hf':>6} | {'accepted/round':>14} | equal | per position")
+    for name, s in res["summary"].items():
+        rates = " ".join(f"{r:.2f}" for r in s.get("position_rates_mean", []))
+        print(f"{name:<16} | {s['tokens_per_s_median']:>14.1f} | {s.get('speedup_over_hf', 1.0):>5.2f}x | "
+              f"{s.get('mean_accepted_length_mean', float('nan')):>14.2f} | "
+              f"{'yes' if s.get('tokens_equal_hf', True) else 'NO':>5} | {rates}")
+
+
+def save_demo_plot(res: dict, path) -> bool:
+    """Tokens/s per run (median over prompts) and the per-position acceptance of the drafted runs."""
+    from _results import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = list(res["summary"])
+    a.bar(names, [res["summary"][n]["tokens_per_s_median"] for n in names])
+    a.set_ylabel("tokens/s (median over prompts)")
+    a.tick_params(axis="x", rotation=30)
+    for n in names:
+        rates = res["summary"][n].get("position_rates_mean")
+        if rates:
+            b.plot(range(1, len(rates) + 1), rates, marker="o", label=n)
+    b.set_xlabel("draft position")
+    b.set_ylabel("acceptance rate")
+    b.legend()
+    fig.suptitle(f"demo pair, {res['dtype']}, {res['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
