@@ -104,7 +104,8 @@ def run_demo(ns) -> dict:
                                ("ours+draft", dict(assistant_model=draft))):
                 key = name.replace("ours", prefix) if prefix else name
                 r = timed_generate(target, x, args, desc=key, speculative=spec)
-                entry = {"tokens_per_s": r.tokens_per_s, "tokens_equal_hf": torch.equal(r.new_tokens, plain[i].new_tokens)}
+                entry = {"tokens_per_s": r.tokens_per_s,
+                         "tokens_equal_hf": torch.equal(r.new_tokens, plain[i].new_tokens)}
                 if r.stats is not None:
                     entry.update(mean_accepted_length=r.stats.mean_accepted_length,
                                  acceptance_rate=r.stats.acceptance_rate,
