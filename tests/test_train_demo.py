@@ -3,6 +3,7 @@ smoke mode on CPU, whose checkpoints load offline and decode exactly through the
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -54,7 +55,8 @@ def test_smoke_run_writes_the_pair_and_its_manifest(smoke_run):
     assert man["smoke"] and man["steps"] == tdm.SMOKE["steps"]
     assert "Python Software Foundation" in man["corpus"]["license"]
     assert not set(man["corpus"]["train_files"]) & set(man["corpus"]["held_out_files"])
-    assert (smoke_run / "loss.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # the bench extra; the curve is in demo.json either way
+        assert (smoke_run / "loss.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("named, draft, tokens", [(False, "prompt-lookup", 48), (True, "demo", 12)])
