@@ -728,6 +728,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--experts-per-token must be in 1..--experts, --moe-intermediate >= 1")
     if min(args.new_tokens, args.num_draft_tokens, args.repeats, args.forward_reps, args.warmup_tokens) < 1:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
+    if args.model is None and args.draft is not None:
+        p.error("--draft needs --model (the random-weight runs draft by prompt lookup)")
+    if args.model is not None:  # the trained pair and its prompts, checked before anything loads
+        from hf_demo import demo_paths, held_out_prompts
+
+        if min(args.prompt_files, args.prompt_bytes) < 1:
+            p.error("--prompt-files and --prompt-bytes must be >= 1")
+        try:
+            held_out_prompts(demo_paths(args.model, args.draft)[2], args.prompt_files, args.prompt_bytes)
+        except ValueError as exc:
+            p.error(str(exc))
     resolve_out_dir(p, args, smoke=args.quick or torch.device(args.device).type == "cpu")
     return args
 
@@ -737,7 +748,7 @@ def main(argv=None) -> dict:
     if args.model is not None:  # a trained pair on held-out code prompts
         from hf_demo import print_demo, run_demo, save_demo_plot
 
-        res = run_demo(args)
+        res = {**run_demo(args), "environment": environment(torch.device(args.device))}
         print_demo(res)
         write_results(res, args.out_dir, f"hf_generate_demo_{args.dtype}", save_demo_plot)
         return res

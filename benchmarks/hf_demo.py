@@ -12,7 +12,8 @@ each after a warm-up and as the median of ``--repeats`` calls (the CLI's
 2. ``ours``: the target after ``apply_recoverssm``, no drafts;
 3. ``ours+lookup``: prompt lookup (``prompt_lookup_num_tokens=k``);
 4. ``ours+draft``: the trained draft as the assistant (``num_assistant_tokens=k``), converted too;
-5. with ``--graphs`` on CUDA: (2)-(4) again with ``apply_recoverssm(cuda_graphs=True)``.
+5. on CUDA unless ``--no-graphs``: (2)-(4) again with ``apply_recoverssm(cuda_graphs=True)``
+   (``graphs``, ``graphs+lookup``, ``graphs+draft``).
 
 Reported: tokens/s, acceptance (mean accepted length, per-position rates, from the
 ``RecoverSSMCache`` stats) and whether the tokens equal (1)'s.
@@ -32,22 +33,52 @@ import torch
 RUNS = ("hf", "ours", "ours+lookup", "ours+draft")
 
 
+def _checkpoint(path: Path, option: str, given: str) -> Path:
+    """``path`` when it holds a saved model (``config.json`` and safetensors weights); else a
+    ``ValueError`` naming ``option`` and what was ``given``."""
+    if not path.is_dir():
+        raise ValueError(f"{option} {given}: no such directory ({path})")
+    if not (path / "config.json").is_file() and (path / "demo.json").is_file():
+        raise ValueError(f"{option} {given}: a training run's output directory, not a checkpoint: pass "
+                         f"{path / ('draft' if option == '--draft' else 'target')}")
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ValueError(f"{option} {given}: {path} has no config.json and safetensors weights: not a saved model")
+    return path
+
+
 def demo_paths(model: str, draft: str | None) -> tuple[Path, Path, dict]:
     """``(target dir, draft dir, manifest)`` for ``--model demo`` (the packaged pair) or a
-    training run's target directory (its draft and ``demo.json`` beside it unless ``draft``)."""
+    training run's target directory (its draft and ``demo.json`` beside it unless ``draft``).
+
+    Raises:
+        ValueError: a pair that is not there (the message names the option): a missing demo
+            pair, a directory without a saved model, no draft beside the target and no
+            ``--draft``, or no ``demo.json`` with held-out files beside the target.
+    """
     from ssm_spec.assets import demo_checkpoint
 
-    target = demo_checkpoint("target") if model == "demo" else Path(model).expanduser()
-    draft_dir = (demo_checkpoint("draft") if model == "demo" else target.parent / "draft") if draft is None \
-        else Path(draft).expanduser()
+    try:
+        target = demo_checkpoint("target") if model == "demo" else Path(model).expanduser()
+        draft_dir = (demo_checkpoint("draft") if model == "demo" else target.parent / "draft") if draft is None \
+            else Path(draft).expanduser()
+    except FileNotFoundError as exc:
+        raise ValueError(f"--model demo: {exc}") from None
+    _checkpoint(target, "--model", model)
+    if draft is None and not draft_dir.is_dir():
+        raise ValueError(f"--model {model}: no draft beside it ({draft_dir}): pass --draft PATH")
+    _checkpoint(draft_dir, "--draft" if draft is not None else "--model", draft if draft is not None else model)
     manifest_path = target.parent / "demo.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    if not manifest.get("corpus", {}).get("held_out_files"):
+        raise ValueError(f"--model {model}: no training manifest with held-out files beside it ({manifest_path}; "
+                         "scripts/train_demo_model.py writes it): the prompts come from those files")
     return target, draft_dir, manifest
 
 
 def held_out_prompts(manifest: dict, files: int, prompt_bytes: int, root: Path | None = None) -> list[dict]:
     """A continuation and an edit prompt per held-out file that this Python's standard library
-    has (the first ``files`` of them). Raises ``ValueError`` when none is found."""
+    has and that is not empty (the first ``files`` of them). Raises ``ValueError`` when none is
+    found."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     names = manifest.get("corpus", {}).get("held_out_files") or []
     prompts = []
@@ -56,6 +87,8 @@ def held_out_prompts(manifest: dict, files: int, prompt_bytes: int, root: Path |
         if not path.is_file():
             continue
         text = path.read_bytes()[:prompt_bytes].decode("utf-8", errors="ignore")
+        if not text.strip():  # an empty __init__.py: nothing to prompt with
+            continue
         idents = sorted(set(re.findall(r"\bdef ([A-Za-z_]\w{3,})", text)) or
                         set(re.findall(r"\b([A-Za-z_]\w{5,})\b", text)))
         half = text[:len(text) // 2]

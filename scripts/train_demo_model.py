@@ -41,6 +41,13 @@ from ssm_spec.hf.tiny import EOS_TOKEN_ID, tiny_config  # noqa: E402
 
 #: Path parts that mark test code (left out of both splits).
 TEST_PARTS = {"test", "tests", "idle_test", "__pycache__", "site-packages"}
+
+
+def is_build_generated(parts: list[str]) -> bool:
+    """Files the build writes (they hold the build's own paths and flags, not library source):
+    ``_sysconfigdata*.py`` and anything under ``config-<version>-<platform>/``."""
+    return parts[-1].startswith("_sysconfigdata") or any(p.startswith("config-") for p in parts[:-1])
+
 #: One file in ``HELD_OUT_EVERY`` (by the SHA-1 of its path) is held out.
 HELD_OUT_EVERY = 20
 CORPUS_LICENSE = "Python Software Foundation License Version 2 (the CPython standard library)"
@@ -64,14 +71,14 @@ SMOKE = dict(target=dict(hidden_size=32, num_layers=4, linear_num_key_heads=2, l
 
 def stdlib_split(root: Path | None = None) -> tuple[list[str], list[str]]:
     """``(train, held_out)``: sorted paths, relative to the standard library's directory, of its
-    ``.py`` files without test code; a file is held out when the SHA-1 of its relative path is
-    ``0 mod HELD_OUT_EVERY``."""
+    ``.py`` files without test code or build-generated files (:func:`is_build_generated`); a file
+    is held out when the SHA-1 of its relative path is ``0 mod HELD_OUT_EVERY``."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     train, held = [], []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         parts = rel.split("/")
-        if TEST_PARTS & set(parts) or parts[-1].startswith("test_"):
+        if TEST_PARTS & set(parts) or parts[-1].startswith("test_") or is_build_generated(parts):
             continue
         digest = int(hashlib.sha1(rel.encode()).hexdigest(), 16)
         (held if digest % HELD_OUT_EVERY == 0 else train).append(rel)
@@ -117,15 +124,34 @@ def bits_per_byte(model, data: torch.Tensor, seq_len: int, windows: int, device,
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", required=True, help="output directory")
+    """The parsed arguments, checked: a bad value is a one-line usage error (exit status 2) before
+    anything is read or trained."""
+    description = " ".join(__doc__.split("\n\n")[0].split())
+    p = argparse.ArgumentParser(prog="train_demo_model.py", description=description)
+    p.add_argument("--out", required=True,
+                   help="output directory (created; an earlier run's files there are overwritten)")
     p.add_argument("--smoke", action="store_true", help="a few steps at tiny sizes (runs on CPU in seconds)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 3000; smoke: 6)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"optimizer steps, >= 1 (default: {FULL['steps']}; with --smoke: {SMOKE['steps']})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default: 0)")
     p.add_argument("--stdlib", default=None, help="the corpus root (default: this Python's standard library)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps: expected >= 1, got {args.steps}")
+    out = Path(args.out).expanduser()
+    if any(q.exists() and not q.is_dir() for q in (out, *out.parents)):
+        p.error(f"--out {args.out}: exists and is not a directory")
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            p.error(f"--device {args.device}: not a torch device (expected cpu, cuda or cuda:N)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: CUDA is not available on this machine")
+    if args.stdlib is not None and not Path(args.stdlib).expanduser().is_dir():
+        p.error(f"--stdlib {args.stdlib}: no such directory")
+    return args
 
 
 def main(argv=None) -> int:
@@ -134,27 +160,38 @@ def main(argv=None) -> int:
     from transformers import get_cosine_schedule_with_warmup
 
     cfg = dict(SMOKE if args.smoke else FULL)
-    steps = args.steps or cfg["steps"]
+    steps = cfg["steps"] if args.steps is None else args.steps
+    warmup = min(cfg["warmup"], steps // 2)  # a short --steps run still takes steps at a nonzero rate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bf16 = device.type == "cuda"
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    root = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
+    root = Path(args.stdlib).expanduser() if args.stdlib else Path(sysconfig.get_paths()["stdlib"])
     train_files, held_files = stdlib_split(root)
     if cfg.get("max_files"):
         train_files, held_files = train_files[:cfg["max_files"]], held_files[:max(2, cfg["max_files"] // 8)]
+    if not train_files or not held_files:
+        print(f"train_demo_model.py: error: --stdlib {root}: {len(train_files)} training and {len(held_files)} "
+              "held-out .py files (the split needs both)", file=sys.stderr)
+        return 2
     train, held = load_bytes(root, train_files), load_bytes(root, held_files)
+    for what, data in (("training", train), ("held-out", held)):
+        if data.numel() < cfg["seq_len"] + 2:
+            print(f"train_demo_model.py: error: --stdlib {root}: the {what} files hold {data.numel()} tokens (bytes "
+                  f"and one eos per file), fewer than a window of {cfg['seq_len'] + 2}", file=sys.stderr)
+            return 2
     print(f"corpus: {root} ({len(train_files)} training files, {train.numel() / 1e6:.1f} MB; "
           f"{len(held_files)} held out, {held.numel() / 1e6:.2f} MB)")
 
-    models = {"target": build(cfg["target"], args.seed).to(device), "draft": build(cfg["draft"], args.seed + 1).to(device)}
+    models = {"target": build(cfg["target"], args.seed).to(device),
+              "draft": build(cfg["draft"], args.seed + 1).to(device)}
     opts, scheds = {}, {}
     for name, m in models.items():
         m.train()
         opts[name] = torch.optim.AdamW(m.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-        scheds[name] = get_cosine_schedule_with_warmup(opts[name], cfg["warmup"], steps)
+        scheds[name] = get_cosine_schedule_with_warmup(opts[name], warmup, steps)
     gen = torch.Generator().manual_seed(args.seed)
     B, T = cfg["batch_size"], cfg["seq_len"]
     curve = {"step": [], "target": [], "draft": []}
@@ -184,7 +221,7 @@ def main(argv=None) -> int:
     bpb = {name: bits_per_byte(m, held, T, cfg["eval_windows"], device, autocast) for name, m in models.items()}
     print("held-out bits per byte: " + ", ".join(f"{n} {v:.3f}" for n, v in bpb.items()) + f" ({train_s:.0f} s)")
 
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     params = {}
     for name, m in models.items():
@@ -192,13 +229,15 @@ def main(argv=None) -> int:
         params[name] = sum(p.numel() for p in m.parameters())
     manifest = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "smoke": args.smoke, "seed": args.seed, "steps": steps, "batch_size": B, "seq_len": T, "lr": cfg["lr"],
+        "smoke": args.smoke, "seed": args.seed, "steps": steps, "warmup": warmup, "batch_size": B, "seq_len": T,
+        "lr": cfg["lr"],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "train_seconds": round(train_s, 1), "parameters": params,
         "held_out_bits_per_byte": bpb, "sizes": {"target": cfg["target"], "draft": cfg["draft"]},
         "corpus": {"source": f"CPython {platform.python_version()} standard library ({root})",
-                   "license": CORPUS_LICENSE, "rule": f"*.py without {sorted(TEST_PARTS)} or test_*.py; held out: "
-                                                     f"sha1(relative path) % {HELD_OUT_EVERY} == 0",
+                   "license": CORPUS_LICENSE,
+                   "rule": f"*.py without {sorted(TEST_PARTS)}, test_*.py or build-generated files "
+                           f"(_sysconfigdata*, config-*/); held out: sha1(relative path) % {HELD_OUT_EVERY} == 0",
                    "train_files": train_files, "held_out_files": held_files},
         "tokenizer": "bytes 0..255, eos 256, pad 257 (ssm_spec.hf.tiny.ByteTokenizer)",
         "loss_curve_bits_per_byte": curve,

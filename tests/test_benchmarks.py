@@ -113,3 +113,49 @@ def test_bench_hf_generate_runs_every_published_class(tmp_path, kind):
     assert res["config"]["kind"] == kind and res["speedup_lookup_over_hf"] > 0
     if "moe" in kind:
         assert res["config"]["num_experts"] == 4 and res["config"]["num_experts_per_tok"] == 2
+
+
+def _bench_hf_parse(argv, capsys):
+    """``bench_hf_generate.parse_args(argv)``'s usage error: its last stderr line (exit status 2)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate
+
+    with pytest.raises(SystemExit) as exc:
+        bench_hf_generate.parse_args(["--device", "cpu", "--quick", *argv])
+    assert exc.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _saved_pair(root: Path, *, draft=True, manifest=True) -> Path:
+    """A stand-in training run's output (config and an empty weights file per member)."""
+    for name in ("target", "draft") if draft else ("target",):
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text("{}")
+        (root / name / "model.safetensors").write_bytes(b"")
+    if manifest:
+        (root / "demo.json").write_text(json.dumps({"corpus": {"held_out_files": ["base64.py"]}}))
+    return root
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["--model", "no such directory"]),
+    ("run dir", ["training run's output directory", "target"]),
+    ("no draft", ["no draft beside it", "--draft PATH"]),
+    ("no manifest", ["no training manifest", "demo.json"]),
+    ("draft without model", ["--draft needs --model"]),
+    ("no prompt files", ["--prompt-files"]),
+])
+def test_bench_hf_generate_model_is_checked_before_anything_loads(tmp_path, capsys, case, words):
+    """``--model PATH`` that is not a training run's target with its draft and ``demo.json``, or
+    options that do not fit it, are one usage line (exit status 2) from the argument parser."""
+    argv = {"missing": lambda: ["--model", str(tmp_path / "nowhere")],
+            "run dir": lambda: ["--model", str(_saved_pair(tmp_path))],
+            "no draft": lambda: ["--model", str(_saved_pair(tmp_path, draft=False) / "target")],
+            "no manifest": lambda: ["--model", str(_saved_pair(tmp_path, manifest=False) / "target")],
+            "draft without model": lambda: ["--draft", str(tmp_path)],
+            "no prompt files": lambda: ["--model", str(_saved_pair(tmp_path) / "target"), "--prompt-files", "0"],
+            }[case]()
+    line = _bench_hf_parse(argv, capsys)
+    assert ": error: " in line, line
+    for word in words:
+        assert word in line, line

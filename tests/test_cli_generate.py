@@ -289,3 +289,24 @@ def test_named_models_resolve_to_what_they_stand_for(monkeypatch, tmp_path):
     args = SimpleNamespace(model="demo", draft="demo")
     cli_generate.resolve_names(args)
     assert (args.model, args.draft) == (str(tmp_path / "target"), str(tmp_path / "draft"))
+
+
+def test_demo_messages_name_the_member_and_where_it_was_looked_up(capsys, no_model_loads, monkeypatch, tmp_path):
+    """``--draft demo`` missing points at ``DIR/draft`` (not ``--model DIR/target``), and a set
+    ``SSM_SPEC_DEMO_DIR`` is named as the place looked in (not "this build")."""
+    monkeypatch.setenv("SSM_SPEC_DEMO_DIR", str(tmp_path))
+    assert cli.main(["generate", "--draft", "demo"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert f"not in SSM_SPEC_DEMO_DIR={tmp_path}" in line and "DIR/draft" in line and "DIR/target" not in line
+    monkeypatch.delenv("SSM_SPEC_DEMO_DIR")
+    monkeypatch.setattr("ssm_spec.assets.demo_dir", lambda: tmp_path)  # a build without the pair
+    assert cli.main(["generate", "--model", "demo"]) == 2
+    assert "not in this build" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, member", [("--model", "target"), ("--draft", "draft")])
+def test_a_training_runs_output_dir_is_pointed_at_its_member(capsys, no_model_loads, tmp_path, option, member):
+    (tmp_path / "demo.json").write_text("{}")  # scripts/train_demo_model.py --out DIR
+    assert cli.main(["generate", option, str(tmp_path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and str(tmp_path / member) in lines[0] and f"SSM_SPEC_DEMO_DIR={tmp_path}" in lines[0]

@@ -26,6 +26,7 @@ def test_stdlib_split_is_fixed_without_test_code():
     for rel in train + held:
         parts = rel.split("/")
         assert not tdm.TEST_PARTS & set(parts) and not parts[-1].startswith("test_") and rel.endswith(".py")
+        assert not tdm.is_build_generated(parts), rel
     frac = len(held) / (len(train) + len(held))
     assert 0.5 / tdm.HELD_OUT_EVERY < frac < 2.0 / tdm.HELD_OUT_EVERY
 
@@ -87,3 +88,51 @@ def test_bench_hf_generate_model_demo_on_held_out_code(smoke_run, tmp_path):
     for name in ("ours+lookup", "ours+draft"):
         assert res["summary"][name]["mean_accepted_length_mean"] >= 1.0
         assert all(0.0 <= r <= 1.0 for r in res["summary"][name]["position_rates_mean"])
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], ["--steps", ">= 1, got 0"]),
+    (["--steps", "-3"], ["--steps", "got -3"]),
+    (["--stdlib", "/nonexistent/stdlib"], ["--stdlib /nonexistent/stdlib", "no such directory"]),
+    (["--device", "foo"], ["--device foo"]),
+])
+def test_bad_arguments_are_usage_errors_before_training(tmp_path, capsys, argv, words):
+    """``--steps 0`` is not silently the default, nor a negative count a run of no steps; a
+    missing corpus or a bad device is one line, not a traceback after setup."""
+    with pytest.raises(SystemExit) as exc:
+        tdm.parse(["--smoke", "--out", str(tmp_path / "out"), *argv])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("train_demo_model.py: error: ") and all(w in line for w in words), line
+
+
+def test_out_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(SystemExit):
+            tdm.parse(["--smoke", "--out", str(out)])
+        assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_corpus_too_small_to_split_or_window_is_one_line(tmp_path, capsys):
+    """A ``--stdlib`` with no held-out file, or whose held-out files are shorter than one
+    window, stops before any model is built (not ``torch.cat`` of nothing, nor 0 bits per byte)."""
+    corpus = tmp_path / "lib"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("x = 1\n")
+    assert tdm.main(["--smoke", "--stdlib", str(corpus), "--out", str(tmp_path / "o")]) == 2
+    assert "0 held-out .py files" in capsys.readouterr().err
+    for name in "bcdefghijklmnopqrstuvwxyz":
+        (corpus / f"{name}.py").write_text("x = 1\n")
+    assert tdm.stdlib_split(corpus)[1]  # now something is held out, but it is a few bytes
+    assert tdm.main(["--smoke", "--stdlib", str(corpus), "--out", str(tmp_path / "o")]) == 2
+    assert "fewer than a window" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_short_run_still_trains(tmp_path):
+    """``--steps 1`` clamps the warm-up (a step at learning rate 0 trains nothing)."""
+    out = tmp_path / "short"
+    run(["scripts/train_demo_model.py", "--smoke", "--steps", "1", "--out", str(out), "--device", "cpu"])
+    man = json.loads((out / "demo.json").read_text())
+    assert man["steps"] == 1 and man["warmup"] == 0

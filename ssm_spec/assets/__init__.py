@@ -37,13 +37,16 @@ def demo_checkpoint(name: str = "target") -> Path:
 
     Raises:
         ValueError: ``name`` is not one of :data:`DEMO_NAMES`.
-        FileNotFoundError: the checkpoint is not in this build (the message says how to make one).
+        FileNotFoundError: the checkpoint is not in this build, or not in ``$SSM_SPEC_DEMO_DIR`` when
+            that is set (the message says which, and how to make one).
     """
     if name not in DEMO_NAMES:
         raise ValueError(f"name: expected one of {DEMO_NAMES}, got {name!r}")
     if not demo_available(name):
+        where = (f"not in SSM_SPEC_DEMO_DIR={os.environ['SSM_SPEC_DEMO_DIR']}" if os.environ.get("SSM_SPEC_DEMO_DIR")
+                 else "not in this build")
         raise FileNotFoundError(
-            f"the demo {name} is not in this build ({demo_dir() / name} has no config.json and safetensors "
-            "weights): train the pair with 'python scripts/train_demo_model.py --out DIR' and pass "
-            f"--model DIR/target (or set SSM_SPEC_DEMO_DIR=DIR)")
+            f"the demo {name} is {where} ({demo_dir() / name} has no config.json and safetensors weights): train "
+            "the pair with 'python scripts/train_demo_model.py --out DIR' and set SSM_SPEC_DEMO_DIR=DIR (or pass "
+            f"the path DIR/{name})")
     return demo_dir() / name

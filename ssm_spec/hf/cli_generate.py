@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` options to ``parser`` (an argparse subparser)."""
     parser.add_argument("--model", metavar="tiny-random|demo|PATH", default=None,
                         help="a local Qwen3-Next / Qwen3.5 checkpoint directory, 'demo' (the packaged demo "
-                             "model trained on the standard library's source, when this build has it) or "
+                             "model trained on the standard library's source, when this build has it; "
+                             "SSM_SPEC_DEMO_DIR=DIR looks it up in a training run's --out DIR instead) or "
                              f"'tiny-random' (the embedded tiny {TINY_KIND} model with random weights and a byte "
                              "tokenizer; the default)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a short repetitive sentence)")
@@ -105,7 +106,7 @@ def resolve_names(args) -> None:
     pair's directories (:mod:`ssm_spec.assets`).
 
     Raises:
-        CLIError: ``demo`` asked for and not in this build.
+        CLIError: ``demo`` asked for and not in this build (or ``$SSM_SPEC_DEMO_DIR``).
     """
     from ..assets import demo_checkpoint
 
@@ -224,6 +225,10 @@ def _checkpoint_dir(path: str, option: str) -> Path:
         raise CLIError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():
         raise CLIError(f"{option} {path}: not a directory (expected a local checkpoint directory)")
+    if not (p / "config.json").is_file() and (p / "demo.json").is_file():
+        member = "draft" if option == "--draft" else "target"
+        raise CLIError(f"{option} {path}: a demo training run's output, not a checkpoint: pass {Path(path) / member}, "
+                       f"or set SSM_SPEC_DEMO_DIR={path} and pass {option} demo")
     if not (p / "config.json").is_file():
         raise CLIError(f"{option} {path}: no config.json: not a transformers checkpoint directory")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
