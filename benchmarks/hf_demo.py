@@ -30,9 +30,6 @@ from pathlib import Path
 
 import torch
 
-RUNS = ("hf", "ours", "ours+lookup", "ours+draft")
-
-
 def _checkpoint(path: Path, option: str, given: str) -> Path:
     """``path`` when it holds a saved model (``config.json`` and safetensors weights); else a
     ``ValueError`` naming ``option`` and what was ``given``."""

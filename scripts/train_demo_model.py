@@ -52,21 +52,22 @@ def is_build_generated(parts: list[str]) -> bool:
 HELD_OUT_EVERY = 20
 CORPUS_LICENSE = "Python Software Foundation License Version 2 (the CPython standard library)"
 
-#: Sizes: (target, draft) config overrides of ``tiny_config("qwen3_5")`` and the run's schedule.
+#: Sizes: the target's config overrides of ``tiny_config("qwen3_5")`` and the run's schedule; the
+#: draft is the target's first two layers' shape (:func:`draft_sizes`).
 FULL = dict(target=dict(hidden_size=256, num_layers=8, linear_num_key_heads=4, linear_num_value_heads=8,
                         linear_head_dim=32, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64),
-            draft=dict(hidden_size=256, num_layers=2, linear_num_key_heads=4, linear_num_value_heads=8,
-                       linear_head_dim=32, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=64, layer_types=["linear_attention", "full_attention"]),
             steps=3000, batch_size=64, seq_len=512, lr=3e-3, warmup=150, eval_windows=256)
 SMOKE = dict(target=dict(hidden_size=32, num_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
                          linear_head_dim=8, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
                          head_dim=16),
-             draft=dict(hidden_size=32, num_layers=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                        linear_head_dim=8, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                        head_dim=16, layer_types=["linear_attention", "full_attention"]),
              steps=6, batch_size=4, seq_len=64, lr=3e-3, warmup=2, eval_windows=4, max_files=24)
+
+
+def draft_sizes(target: dict) -> dict:
+    """The draft's config overrides: the target's widths, one GDN and one attention layer
+    (Qwen3.5's forward needs an attention layer for its cache)."""
+    return {**target, "num_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
 
 
 def stdlib_split(root: Path | None = None) -> tuple[list[str], list[str]]:
@@ -160,6 +161,7 @@ def main(argv=None) -> int:
     from transformers import get_cosine_schedule_with_warmup
 
     cfg = dict(SMOKE if args.smoke else FULL)
+    cfg["draft"] = draft_sizes(cfg["target"])
     steps = cfg["steps"] if args.steps is None else args.steps
     warmup = min(cfg["warmup"], steps // 2)  # a short --steps run still takes steps at a nonzero rate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -136,3 +136,21 @@ def run_stack(layers, x, metadata, pool):
         for layer in layers:
             x = x + layer(x, metadata, pool)
     return x
+
+
+def pool_states(pool) -> list[torch.Tensor]:
+    """Copies of every state group of a ``StatePool``: the GDN groups, then the conv groups."""
+    return [s.clone() for s, _ in pool.gdn_groups.values()] + [s.clone() for s, _ in pool.conv_groups.values()]
+
+
+def first_divergence(plain, tokens: torch.Tensor, prompt_len: int):
+    """Where greedy ``tokens [1, P + N]`` part from ``plain`` (a ``generate`` output with
+    ``output_scores``): ``None`` when the new tokens are equal, else ``(position, top-2 values of
+    plain's logits there)``. Asserts the two runs made the same number of new tokens."""
+    a, b = plain.sequences[0, prompt_len:], tokens[0, prompt_len:]
+    assert a.shape == b.shape
+    diff = (a != b).nonzero()
+    if not len(diff):
+        return None
+    p = int(diff[0])
+    return p, plain.scores[p][0].float().topk(2).values

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from ssm_spec import ops, reference
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, randomize_, rel_err, run_stack
+from tests.helpers import (
+    gdn_inputs,
+    i32,
+    pool_states,
+    qsl_from_lengths,
+    random_pool,
+    randomize_,
+    rel_err,
+    run_stack,
+)
 
 NAN = float("nan")
 
@@ -35,10 +44,6 @@ def _pools(device, names, dtype=torch.float32):
     for pool in pools.values():
         run_stack(layers, x, md, pool)
     return layers, pools
-
-
-def _states(pool):
-    return [s.clone() for s, _ in pool.gdn_groups.values()] + [s.clone() for s, _ in pool.conv_groups.values()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,7 +80,7 @@ def test_fast_pools_decode_like_the_exact_pool(device, dtype):
     for n, pool in pools.items():
         if pool.folded:
             pool.flush()
-        for a, b in zip(_states(pool), _states(pools["exact"])):
+        for a, b in zip(pool_states(pool), pool_states(pools["exact"])):
             assert rel_err(a.double(), b.double()) < tol, n
 
 
@@ -101,15 +106,15 @@ def test_flush_mid_step_and_discard_in_lazy_mode(device):
         done[1] += 1
     lazy.flush([4, 4])
     lazy.flush()
-    for a, b in zip(_states(lazy), _states(exact)):
+    for a, b in zip(pool_states(lazy), pool_states(exact)):
         assert rel_err(a.double(), b.double()) < 2e-4
-    before = _states(lazy)
+    before = pool_states(lazy)
     md = RecoverSSMMetadata.build([3], [False], [done[4]], [4], num_slots=6, device=device)
     run_stack(layers, torch.randn(3, 32, generator=gen).to(device), md, lazy)
     commit(lazy, md, i32([3], device))
     lazy.discard([4])
     lazy.flush()
-    assert torch.equal(_states(lazy)[0][:, 4], before[0][:, 4])  # the recurrent state: never committed
+    assert torch.equal(pool_states(lazy)[0][:, 4], before[0][:, 4])  # the recurrent state: never committed
 
 
 def test_pool_arguments(device):

@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from ssm_spec import ops
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, randomize_, run_stack, same_bits
+from tests.helpers import (
+    gdn_inputs,
+    i32,
+    pool_states,
+    qsl_from_lengths,
+    random_pool,
+    randomize_,
+    run_stack,
+    same_bits,
+)
 
 NAN = float("nan")
 W, HV, H, K, V, S = 4, 4, 2, 16, 32, 10
@@ -140,10 +149,6 @@ def _pair(device, dtype=torch.float32):
     return layers, pools
 
 
-def _gdn_states(pool):
-    return [s.clone() for s, _ in pool.gdn_groups.values()] + [s.clone() for s, _ in pool.conv_groups.values()]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_folded_pool_decodes_like_the_separate_commit(device, dtype):
     """30 steps with random windows and counts (0..W, padding rows, reordered rows): outputs
@@ -168,7 +173,7 @@ def test_folded_pool_decodes_like_the_separate_commit(device, dtype):
             if s >= 0:
                 done[s] += c
     folded.flush()
-    for a, b in zip(_gdn_states(folded), _gdn_states(plain)):
+    for a, b in zip(pool_states(folded), pool_states(plain)):
         assert same_bits(a, b)
 
 
@@ -215,7 +220,7 @@ def _step(layers, pools, order, lens, done, n, device, gen, prefill=None, valida
 
 
 def _same_states(a, b):
-    return all(same_bits(x, y) for x, y in zip(_gdn_states(a), _gdn_states(b)))
+    return all(same_bits(x, y) for x, y in zip(pool_states(a), pool_states(b)))
 
 
 def test_flush_is_safe_mid_step_and_with_repeated_slots(device):
@@ -242,11 +247,11 @@ def test_a_refused_prefill_writes_nothing_and_the_retry_is_exact(device):
     gen = torch.Generator().manual_seed(6)
     done = {4: 8, 1: 12}
     _step(layers, (plain, folded), [4, 1], [3, 2], done, [2, 2], device, gen)
-    before = [t.clone() for t in _gdn_states(folded)]
+    before = [t.clone() for t in pool_states(folded)]
     with pytest.raises(ValueError, match="pending window"):  # slot 1 continues its prefill
         _step(layers, (folded,), [4, 1], [2, 3], dict(done), [1, 0], device, torch.Generator().manual_seed(7),
               prefill=[False, True])
-    assert all(same_bits(a, b) for a, b in zip(_gdn_states(folded), before))  # conv states included
+    assert all(same_bits(a, b) for a, b in zip(pool_states(folded), before))  # conv states included
     folded.flush([1])
     _step(layers, (plain, folded), [4, 1], [2, 3], done, [1, 0], device, torch.Generator().manual_seed(7),
           prefill=[False, True])
@@ -276,12 +281,12 @@ def test_a_fresh_request_drops_the_window_its_slot_had_pending(device, fresh):
 
 def test_discard_drops_a_pending_window(device):
     layers, (plain, folded) = _pair(device)
-    before = [t.clone() for t in _gdn_states(folded)]
+    before = [t.clone() for t in pool_states(folded)]
     gen = torch.Generator().manual_seed(9)
     _step(layers, (folded,), [4, 1], [3, 3], {4: 8, 1: 12}, [2, 3], device, gen)
     folded.discard([1, 4])
     folded.flush()
-    gdn_now, gdn_before = _gdn_states(folded)[0], before[0]
+    gdn_now, gdn_before = pool_states(folded)[0], before[0]
     assert same_bits(gdn_now[:, [1, 4]], gdn_before[:, [1, 4]])  # the recurrent states: never committed
     for bad in ([6], [-1]):
         with pytest.raises(ValueError, match="discard"):

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from ssm_spec.hf import apply_recoverssm  # noqa: E402
 from ssm_spec.hf.tiny import KINDS, tiny_model  # noqa: E402
+from tests.helpers import first_divergence  # noqa: E402
 from tests.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
 
 PROMPT = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
@@ -106,12 +107,9 @@ def test_bf16_tokens_agree_with_plain_greedy_up_to_the_first_near_tie(kind):
                            return_dict_in_generate=True)
     got = apply_recoverssm(copy.deepcopy(model), state_dtype=torch.bfloat16).generate(
         PROMPT, max_new_tokens=128, do_sample=False, prompt_lookup_num_tokens=3)
-    a, b = plain.sequences[0, PROMPT.shape[1]:], got[0, PROMPT.shape[1]:]
-    assert a.shape == b.shape
-    diff = (a != b).nonzero()
-    if len(diff):
-        p = int(diff[0])
-        top = plain.scores[p][0].float().topk(2).values
+    parted = first_divergence(plain, got, PROMPT.shape[1])
+    if parted is not None:
+        p, top = parted
         ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(2.0**-100))).item() - 7)
         print(f"{kind}: bf16 parts from plain greedy at new token {p}, logit gap {float(top[0] - top[1]):.4g}")
         assert float(top[0] - top[1]) <= 4 * ulp, (p, float(top[0] - top[1]), ulp)

@@ -87,17 +87,17 @@ def _squeeze_row(x):
 
 @triton.jit
 def _chain1(acc, x, s):
+    """``acc + x[0] s[0]^T`` for one row (``x [1, WP]``, ``s [1, BV]``): one rank-1 FMA. The
+    ``_chainN`` ladder halves the rows down to it (Triton's JIT does not recurse over shapes)."""
     return tl.fma(_squeeze_row(x)[:, None], _squeeze_row(s)[None, :], acc)
 
 
 @triton.jit
 def _chain2(acc, x, s):
-    """``acc + x[0] s[0]^T + x[1] s[1]^T`` for ``x [2, WP]``, ``s [2, BV]``, ``acc [WP, BV]``:
-    two rank-1 FMAs, row 0 first (the rows are a thread's registers: the split moves nothing)."""
+    """Two rows, row 0 first (the rows are a thread's registers: the split moves nothing)."""
     x0, x1 = _top_halves(x)
     s0, s1 = _top_halves(s)
-    acc = tl.fma(_squeeze_row(x0)[:, None], _squeeze_row(s0)[None, :], acc)
-    return tl.fma(_squeeze_row(x1)[:, None], _squeeze_row(s1)[None, :], acc)
+    return _chain1(_chain1(acc, x0, s0), x1, s1)
 
 
 @triton.jit
