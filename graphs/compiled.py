@@ -40,7 +40,8 @@ def compile_step(model, pool: StatePool, *, temperature: float = 1.0, generator:
             to False: one graph per batch size, as the captured buckets).
 
     Raises:
-        ValueError: a ``generator``, or ``temperature <= 0``.
+        ValueError: a ``generator``, ``temperature <= 0``, or a pool spread over several devices
+            (the compiled step is one device's graph).
 
     Returns:
         ``step(window_tokens, window_lens, state_indices, num_computed_tokens, query_start_loc,
@@ -51,6 +52,9 @@ def compile_step(model, pool: StatePool, *, temperature: float = 1.0, generator:
                          "sample from the device's default generator (seed it with torch.manual_seed)")
     if not temperature > 0:
         raise ValueError(f"compile_step: temperature: got {temperature}; expected > 0")
+    if len(pool.devices) > 1:
+        raise ValueError(f"compile_step: the pool spans {', '.join(map(str, pool.devices))}; the compiled step "
+                         "runs on one device (run a model spread over devices eagerly)")
     for t in pool_tensors(pool):
         torch._dynamo.mark_static_address(t)
     for t in model.buffers():

@@ -79,9 +79,11 @@ class SpecDecodeGraphRunner:
     Raises:
         ValueError: ``num_draft_tokens < 0``, no bucket left, a pool too small for the largest
             bucket, a ``generator`` on another device, ``temperature <= 0`` for sampling,
-            ``vocab_size < 1``, ``capture=True`` off CUDA. The model's logits width is checked
-            against ``vocab_size`` by a padding-only step before the first real one (capture
-            warm-up, or the first ``step``).
+            ``vocab_size < 1``, ``capture=True`` off CUDA, a pool spread over several devices
+            (``pool.devices``: a graph holds one device's step; capture per device is not
+            built). The model's logits width is checked against ``vocab_size`` by a
+            padding-only step before the first real one (capture warm-up, or the first
+            ``step``).
     """
 
     def __init__(self, model, pool: StatePool, num_draft_tokens: int, vocab_size: int, *,
@@ -102,6 +104,9 @@ class SpecDecodeGraphRunner:
             raise ValueError(f"SpecDecodeGraphRunner: temperature: got {temperature}; expected > 0")
         if vocab_size < 1:
             raise ValueError(f"SpecDecodeGraphRunner: vocab_size: got {vocab_size}; expected >= 1")
+        if len(pool.devices) > 1:
+            raise ValueError(f"SpecDecodeGraphRunner: the pool spans {', '.join(map(str, pool.devices))}; a CUDA "
+                             "graph holds the step of one device (run a model spread over devices eagerly)")
         if capture and pool.device.type != "cuda":
             raise ValueError(f"SpecDecodeGraphRunner: capture=True needs a CUDA pool; the pool is on {pool.device}")
         self.model, self.pool, self.vocab_size = model, pool, vocab_size

@@ -8,6 +8,7 @@ prefill runs eagerly per step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -97,6 +98,37 @@ class RecoverSSMMetadata:
     @property
     def align(self) -> bool:
         return self.block_size is not None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the device tensors live."""
+        return self.query_start_loc.device
+
+    def to(self, device) -> RecoverSSMMetadata:
+        """This metadata with its device tensors on ``device``: itself when they are there
+        already (no copy, no launch), else a copy made at the first call for that device and
+        kept with this metadata, so every later call (every layer on that device, every step
+        that reuses the metadata) gets the same tensors. Layers on another device than the
+        metadata's (a :class:`~ssm_spec.StatePool` spread over devices) call it; the host plan
+        is shared.
+
+        The copy is taken once: metadata whose tensors are refilled in place between steps
+        (:meth:`uniform_verify` over static buffers) is for a pool on one device.
+        """
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
+        if self.query_start_loc.device == device:
+            return self
+        copies = self.__dict__.get("_copies")
+        if copies is None:
+            copies = {}
+            object.__setattr__(self, "_copies", copies)  # a cache beside the (frozen) fields
+        got = copies.get(device)
+        if got is None:
+            moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                     if isinstance(getattr(self, f.name), torch.Tensor)}
+            got = copies[device] = dataclasses.replace(self, **moved)
+        return got
 
     @property
     def has_verify(self) -> bool:

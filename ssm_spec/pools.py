@@ -1,9 +1,9 @@
 """``StatePool``: every layer's recurrent and conv states, and the replay record buffers.
 
-States are stacked per shape group with a leading layer dim, so one grouped commit launch
-covers every GDN layer of a group and one covers every conv layer of a shape (docs/design.md
-section 5.3). The record buffers ``[NL, max_tokens, ...]`` live outside the state pages: a
-record lives only from a step's verify to its commit.
+States are stacked per ``(device, shape)`` group with a leading layer dim, so one grouped commit
+launch covers every GDN layer of a group and one covers every conv layer of a shape on a device
+(docs/design.md sections 5.3 and 5.9). The record buffers ``[NL, max_tokens, ...]`` live outside
+the state pages: a record lives only from a step's verify to its commit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from .ops import NULL_SLOT, RecordRing, ReplayRecord
 from .ops.gdn.closed_form import ring_positions
 
-__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES"]
+__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES", "placement_device", "group_layers"]
 
 #: The verify modes (docs/design.md section 2.6): ``"exact"`` (the token loop, bit-identical to the
 #: native recurrence; the default) and ``"fast"`` (the closed-form window, within a stated error
@@ -42,9 +42,61 @@ class ConvStateSpec:
     channels: int
 
 
+def placement_device(device) -> torch.device:
+    """``device`` (a ``torch.device``, a string such as ``"cuda:1"``, or an accelerator index)
+    as the one ``torch.device`` that names it in a pool's group keys: ``"cuda"`` (no index)
+    becomes the current CUDA device (``cuda:0`` where CUDA is absent), ``"cpu:0"`` becomes
+    ``"cpu"``, an int ``i`` becomes ``cuda:i``. Needs no GPU.
+
+    Raises:
+        ValueError: not a device.
+    """
+    if isinstance(device, bool):
+        raise ValueError(f"StatePool: device: got {device!r}; expected a torch.device, a string or an index")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    try:
+        d = device if isinstance(device, torch.device) else torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"StatePool: device: got {device!r}; expected a torch.device, a string or an index "
+                         f"({exc})") from None
+    if d.type == "cpu":
+        return torch.device("cpu") if d.index is not None else d
+    if d.index is None and d.type != "meta":
+        index = torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_available() else 0
+        return torch.device(d.type, index)
+    return d
+
+
+def group_layers(layers, devices) -> dict:
+    """The pool's grouping: ``{(kind, device, spec): [layer, ...]}`` over every state of every
+    layer (``kind``: ``"gdn"`` or ``"conv"``; ``spec``: its :class:`GDNStateSpec` /
+    :class:`ConvStateSpec`), groups and members in order of first appearance. Layers on two
+    devices never share a group; layers of two shapes never do either.
+
+    Args:
+        layers: modules with ``state_specs()``.
+        devices: one device per layer (anything :func:`placement_device` takes).
+
+    Raises:
+        ValueError: ``devices`` not one per layer, or not devices.
+    """
+    layers, devices = list(layers), list(devices)
+    if len(devices) != len(layers):
+        raise ValueError(f"StatePool: device: got {len(devices)} devices for {len(layers)} layers; expected one "
+                         "device, or one per layer")
+    groups: dict = {}
+    for layer, device in zip(layers, devices):
+        d = placement_device(device)
+        for kind, spec in layer.state_specs():
+            groups.setdefault((kind, d, spec), []).append(layer)
+    return groups
+
+
 @dataclass
 class _Group:
     spec: object
+    device: torch.device
     members: list = field(default_factory=list)
     state: torch.Tensor | None = None
     records: tuple | None = None
@@ -71,8 +123,10 @@ class StatePool:
     """Stacked states of every registered layer, fp32 or bf16, and fp32 record buffers.
 
     Layers register the states they need (``RecoverGatedDeltaNet``: one GDN state and one conv
-    state; ``RecoverShortConv``: one conv state); layers with equal shapes share a group, one
-    tensor with a leading layer dim.
+    state; ``RecoverShortConv``: one conv state); layers with equal shapes on one device share a
+    group, one tensor with a leading layer dim on that device (:func:`group_layers`). Every
+    launch the pool makes or drives (:func:`ssm_spec.commit`, :meth:`zero_slots`, :meth:`flush`,
+    the snapshot copies, the folded plans' hand-over) runs once per group, on the group's device.
 
     Args:
         layers: modules with a ``state_specs()`` method (the ssm_spec modules), in order.
@@ -81,7 +135,13 @@ class StatePool:
             prefill tokens outside that span need no record).
         dtype: recurrent state dtype, ``torch.float32`` or ``torch.bfloat16``.
         conv_dtype: conv state dtype (default ``dtype``).
-        device: where every tensor lives.
+        device: where the states live: one device for every layer (default: the CPU), or a
+            sequence of one device per layer (a model spread over devices, e.g. by a
+            ``device_map``; each layer's states go to the device its forward runs on). The
+            bookkeeping a step shares (folded mode's pending counts, snapshot slots) lives on the
+            first layer's device, :attr:`device`: build the step's metadata and the accepted
+            counts there; layers on other devices use copies made once per metadata object
+            (:meth:`~ssm_spec.RecoverSSMMetadata.to`).
         snapshot: the native protocol instead of RecoverSSM (the one switch that lets tests
             and benchmarks compare both on one model): verify writes the state after every
             window token into a per-token scratch slot (``num_slots + t``, plus one dummy
@@ -113,11 +173,15 @@ class StatePool:
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
-        gdn_groups / conv_groups: ``{spec: (state [NL, S, ...], records)}``.
+        gdn_groups / conv_groups: ``{(device, spec): (state [NL, S, ...], records)}``, the
+            tensors on ``device``.
+        device: the first layer's device (the only one for a pool on one device).
+        devices: every device holding a group, in order of first appearance.
 
     Raises:
-        ValueError: on a non-positive slot or token count, or an unsupported dtype; the
-            per-layer accessors raise it for a layer the pool does not hold.
+        ValueError: on a non-positive slot or token count, or an unsupported dtype; a
+            ``device`` sequence that is not one device per layer; the per-layer accessors raise
+            it for a layer the pool does not hold.
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
@@ -153,20 +217,31 @@ class StatePool:
         self.ring_positions = ring_positions(self.max_pending, self.max_window) if self.ring_mode else 0
         self.dtype = dtype
         self.conv_dtype = conv_dtype or dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._gdn: dict[GDNStateSpec, _Group] = {}
-        self._conv: dict[ConvStateSpec, _Group] = {}
+        layers = list(layers)
+        if device is None or isinstance(device, (str, int, torch.device)):
+            one = placement_device("cpu" if device is None else device)
+            per_layer = [one] * len(layers)
+        else:
+            per_layer = list(device)
+            one = placement_device(per_layer[0]) if per_layer else torch.device("cpu")
+        self._gdn: dict[tuple, _Group] = {}  # (device, GDNStateSpec) -> group
+        self._conv: dict[tuple, _Group] = {}  # (device, ConvStateSpec) -> group
         self._where: dict[int, dict[str, tuple]] = {}
-        for layer in layers:
-            for kind, spec in layer.state_specs():
-                groups = self._gdn if kind == "gdn" else self._conv
-                group = groups.setdefault(spec, _Group(spec))
-                self._where.setdefault(id(layer), {})[kind] = (spec, len(group.members))
-                group.members.append(layer)
+        for (kind, dev, spec), members in group_layers(layers, per_layer).items():
+            groups = self._gdn if kind == "gdn" else self._conv
+            groups[dev, spec] = _Group(spec, dev, members)
+            for i, layer in enumerate(members):
+                self._where.setdefault(id(layer), {})[kind] = ((dev, spec), i)
+        #: where the shared bookkeeping lives: the first layer's device
+        self.device = one
+        self.devices = tuple(dict.fromkeys([self.device, *(g.device for g in (*self._gdn.values(),
+                                                                              *self._conv.values()))]))
         T, dev = self.max_tokens, self.device
         S = self.num_slots + (T + 1 if self.snapshot else 0)  # scratch slots and one dummy
-        self._token_slots = torch.arange(self.num_slots, self.num_slots + T, dtype=torch.int32, device=dev)
-        for spec, group in self._gdn.items():
+        # per device, made once: the snapshot scratch slot of each token
+        self._token_slots = {d: torch.arange(self.num_slots, self.num_slots + T, dtype=torch.int32, device=d)
+                             for d in self.devices}
+        for (dev, spec), group in self._gdn.items():
             nl, hv, h, k, v = len(group.members), spec.num_v_heads, spec.num_k_heads, spec.head_k_dim, spec.head_v_dim
             group.state = torch.zeros((nl, S, hv, k, v), dtype=dtype, device=dev)
             group.records = ReplayRecord(torch.zeros((nl, T, hv, v), device=dev),
@@ -177,25 +252,38 @@ class StatePool:
                 group.ring = RecordRing(*(torch.zeros((nl, *r.shape), device=dev) for r in ring))
             elif self.folded:  # the other half of the double buffer
                 group.prev_records = ReplayRecord(*(torch.zeros_like(r) for r in group.records))
-        for spec, group in self._conv.items():
+        for (dev, spec), group in self._conv.items():
             nl = len(group.members)
             group.state = torch.zeros((nl, S, spec.state_len, spec.channels), dtype=self.conv_dtype, device=dev)
             group.records = torch.zeros((nl, T, spec.channels), device=dev)
         # folded mode: per slot, where its pending window starts in the previous step's records
         # and how many of its tokens to commit (entry num_slots: a sink for padding rows)
+        dev = self.device
         self.pending_start = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=dev)
         self.pending_count = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=dev)
         self._pending_host: set[int] | None = set()  # host mirror while commits validate
-        self._plan: tuple | None = None
+        self._plan: tuple | None = None  # (metadata, plan on self.device, {other device: copy of the plan})
         self._parity = 0
 
     # ------------------------------------------------------------------ lookup
     def _locate(self, layer, kind):
         try:
-            spec, index = self._where[id(layer)][kind]
+            key, index = self._where[id(layer)][kind]
         except KeyError:
             raise ValueError(f"StatePool: the layer {type(layer).__name__} has no {kind} state in this pool") from None
-        return (self._gdn if kind == "gdn" else self._conv)[spec], index
+        return (self._gdn if kind == "gdn" else self._conv)[key], index
+
+    def device_of(self, layer) -> torch.device:
+        """The device holding ``layer``'s states (the device its forward must run on).
+
+        Raises:
+            ValueError: a layer the pool does not hold.
+        """
+        where = self._where.get(id(layer))
+        if not where:
+            raise ValueError(f"StatePool: the layer {type(layer).__name__} has no state in this pool")
+        (device, _), _ = next(iter(where.values()))
+        return device
 
     def gdn_state(self, layer) -> torch.Tensor:
         """``[S, HV, K, V]`` view of ``layer``'s recurrent states."""
@@ -226,7 +314,7 @@ class StatePool:
     def ring_bytes_per_slot(self) -> int:
         """Fast folded mode: bytes of record ring per slot and layer (0 otherwise)."""
         return sum(self.ring_positions * (s.num_v_heads * s.head_v_dim + s.num_k_heads * s.head_k_dim
-                                          + s.num_v_heads) * 4 * len(g.members) for s, g in self._gdn.items())
+                                          + s.num_v_heads) * 4 * len(g.members) for (_, s), g in self._gdn.items())
 
     def conv_state(self, layer) -> torch.Tensor:
         """``[S, Lc, C]`` view of ``layer``'s conv states."""
@@ -238,9 +326,10 @@ class StatePool:
         group, i = self._locate(layer, "conv")
         return group.records[i, :num_tokens]
 
-    def snapshot_slots(self, num_tokens: int) -> torch.Tensor:
-        """Snapshot mode: ``[num_tokens]`` int32, the scratch slot of each token (a view)."""
-        return self._token_slots[:num_tokens]
+    def snapshot_slots(self, num_tokens: int, device=None) -> torch.Tensor:
+        """Snapshot mode: ``[num_tokens]`` int32, the scratch slot of each token (a view), on
+        ``device`` (one of :attr:`devices`; default :attr:`device`)."""
+        return self._token_slots[self.device if device is None else device][:num_tokens]
 
     @property
     def dummy_slot(self) -> int:
@@ -249,24 +338,35 @@ class StatePool:
 
     @property
     def gdn_groups(self):
-        return {spec: (g.state, g.records) for spec, g in self._gdn.items()}
+        """``{(device, GDNStateSpec): (state [NL, S, HV, K, V], ReplayRecord [NL, T, ...])}``."""
+        return {key: (g.state, g.records) for key, g in self._gdn.items()}
 
     @property
     def conv_groups(self):
-        return {spec: (g.state, g.records) for spec, g in self._conv.items()}
+        """``{(device, ConvStateSpec): (state [NL, S, Lc, C], records [NL, T, C])}``."""
+        return {key: (g.state, g.records) for key, g in self._conv.items()}
+
+    def per_device(self, *tensors: torch.Tensor) -> dict:
+        """``{device: tensors on it}`` for every device of the pool: the tensors themselves on the
+        device they are on, one copy for each other device (one launch per group then reads
+        its own device's copy; on a pool on one device the tensors are used as they are)."""
+        if len(self.devices) == 1:
+            return {self.device: tensors}
+        return {d: tuple(t.to(d) for t in tensors) for d in self.devices}
 
     def zero_slots(self, slots: torch.Tensor) -> None:
         """Zero the given slots of every state (a fresh request starts from the zero state).
 
         Args:
-            slots: int tensor of distinct valid slots on the pool's device (the metadata's
-                ``fresh_slots``); no host sync.
+            slots: int tensor of distinct valid slots (the metadata's ``fresh_slots``), on any
+                of the pool's devices; no host sync on a pool on one device (a pool on several
+                copies it to each device).
         """
         if slots.numel() == 0:
             return
-        index = slots.to(device=self.device, dtype=torch.long)
+        index = {d: slots.to(device=d, dtype=torch.long) for d in self.devices}
         for group in (*self._gdn.values(), *self._conv.values()):
-            group.state.index_fill_(1, index, 0)
+            group.state.index_fill_(1, index[group.device], 0)
 
     # ------------------------------------------------------------------ folded mode
     def swap_records(self) -> None:
@@ -286,10 +386,11 @@ class StatePool:
         if parity != self._parity:
             self.swap_records()
 
-    def fold_plan(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold_plan(self, metadata, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's
-        verify rows (0 for padding and prefill rows), computed on the device once per step
-        (the layers call it before they write anything).
+        verify rows (0 for padding and prefill rows), computed on :attr:`device` once per step
+        (the layers call it before they write anything) and returned on ``device`` (default
+        :attr:`device`; a layer on another device gets a copy, made once per step and device).
 
         Taking the plan hands the verified rows' pending windows to this step: their counts are
         cleared at once, so a :meth:`flush` before the step's commit cannot commit them twice.
@@ -302,7 +403,7 @@ class StatePool:
                 Raised before anything is written.
         """
         if self._plan is not None and self._plan[0] is metadata:
-            return self._plan[1]
+            return self._plan_on(device)
         if self._pending_host:
             for row in metadata.prefill_rows:
                 if row.src >= 0 and row.src in self._pending_host:
@@ -311,20 +412,32 @@ class StatePool:
                                      f"(pool.flush([{row.src}]))")
         idx = self._release_fresh(metadata)
         if not metadata.has_verify:
-            return self._plan[1]
+            return self._plan_on(device)
         plan = (self.pending_start[idx], self.pending_count[idx])  # gathered copies
         self.pending_count.index_fill_(0, idx, 0)  # handed to this step's verify
-        self._plan = (metadata, plan)
-        return plan
+        self._plan = (metadata, plan, {})
+        return self._plan_on(device)
 
-    def lazy_plan(self, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _plan_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current step's plan on ``device``: the plan itself on :attr:`device`, else a copy
+        made at the first call for that device."""
+        _, plan, copies = self._plan
+        if device is None or device == self.device:
+            return plan
+        got = copies.get(device)
+        if got is None:
+            got = copies[device] = tuple(t.to(device) for t in plan)
+        return got
+
+    def lazy_plan(self, metadata, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fast folded mode: ``(pending_start [B], pending_count [B])`` int32 of the step's verify
         rows (0 for padding and prefill rows), for the layers' ``gdn_closed_form_folded_verify``;
-        computed on the device once per step (the first layer calls it, before anything is
-        written). It also moves each slot's bookkeeping past this step's verify: a row that
-        folds (``count > 0`` and ``count + W > max_pending``) has consumed its pending tokens
-        (its ring now starts after them, count 0); :func:`ssm_spec.commit` then adds the
-        accepted tokens, whose records the verify wrote right after the pending ones.
+        computed on :attr:`device` once per step (the first layer calls it, before anything is
+        written) and returned on ``device`` as :meth:`fold_plan` does. It also moves each slot's
+        bookkeeping past this step's verify: a row that folds (``count > 0`` and ``count + W >
+        max_pending``) has consumed its pending tokens (its ring now starts after them, count
+        0); :func:`ssm_spec.commit` then adds the accepted tokens, whose records the verify wrote
+        right after the pending ones.
 
         A prefill row continuing from a slot flushes that slot first (the prefill reads its
         state); a fresh request's slot drops whatever a finished request left pending there.
@@ -333,7 +446,7 @@ class StatePool:
             ValueError: a verify window longer than the pool's ``max_window``.
         """
         if self._plan is not None and self._plan[0] is metadata:
-            return self._plan[1]
+            return self._plan_on(device)
         if metadata.max_window > self.max_window:
             raise ValueError(f"StatePool: a verify window of {metadata.max_window} tokens; this fast folded pool's "
                              f"rings hold windows up to max_window={self.max_window}")
@@ -342,24 +455,23 @@ class StatePool:
             self.flush(cont)
         idx = self._release_fresh(metadata)
         if not metadata.has_verify:
-            return self._plan[1]
+            return self._plan_on(device)
         start, count = self.pending_start[idx], self.pending_count[idx]  # gathered copies
-        qsl = metadata.verify_query_start_loc
+        qsl = metadata.to(self.device).verify_query_start_loc
         W = (qsl[1:] - qsl[:-1]).to(torch.int32)
         fold = (count > 0) & (count + W > self.max_pending)
         self.pending_start.index_copy_(0, idx, torch.where(fold, (start + count) % self.ring_positions, start))
         self.pending_count.index_copy_(0, idx, torch.where(fold, torch.zeros_like(count), count))
         self.pending_start[self.num_slots:].zero_()  # the sink holds nothing
         self.pending_count[self.num_slots:].zero_()
-        plan = (start, count)
-        self._plan = (metadata, plan)
-        return plan
+        self._plan = (metadata, (start, count), {})
+        return self._plan_on(device)
 
     def note_accepted(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
         """Fast folded mode (called by :func:`ssm_spec.commit`): each verify row's accepted
         tokens join its slot's pending ones (no state written, no host sync)."""
         idx = self._sink(metadata.verify_indices)
-        self.pending_count.index_add_(0, idx, num_accepted_tokens.to(torch.int32))
+        self.pending_count.index_add_(0, idx, num_accepted_tokens.to(device=self.device, dtype=torch.int32))
         self.pending_count[self.num_slots:].zero_()
         self._plan = None
 
@@ -372,11 +484,11 @@ class StatePool:
         if fresh:
             self.discard(fresh)
         if metadata.fresh_slots.numel():
-            self.pending_count.index_fill_(0, metadata.fresh_slots.long(), 0)
+            self.pending_count.index_fill_(0, metadata.fresh_slots.to(device=self.device, dtype=torch.long), 0)
         idx = self._sink(metadata.verify_indices)
         if not metadata.has_verify:
             zeros = torch.zeros_like(idx, dtype=torch.int32)
-            self._plan = (metadata, (zeros, zeros.clone()))
+            self._plan = (metadata, (zeros, zeros.clone()), {})
         return idx
 
     def _sink(self, slots: torch.Tensor) -> torch.Tensor:
@@ -388,8 +500,8 @@ class StatePool:
         slot's pending window with its accepted count, then the record buffers swap. No host
         sync; ``host_counts`` (the validated counts) keeps the host mirror."""
         idx = self._sink(metadata.verify_indices)
-        self.pending_start.index_copy_(0, idx, metadata.verify_query_start_loc[:-1].to(torch.int32))
-        self.pending_count.index_copy_(0, idx, num_accepted_tokens.to(torch.int32))
+        self.pending_start.index_copy_(0, idx, metadata.to(self.device).verify_query_start_loc[:-1].to(torch.int32))
+        self.pending_count.index_copy_(0, idx, num_accepted_tokens.to(device=self.device, dtype=torch.int32))
         self.pending_count[self.num_slots:].zero_()  # the sink holds nothing
         if host_counts is None or self._pending_host is None:
             self._pending_host = None  # unknown from here on: no host-side checks
@@ -445,26 +557,29 @@ class StatePool:
         idx = slots.long()
         start, count = self.pending_start[idx], self.pending_count[idx]
         qsl = torch.zeros(B + 1, dtype=torch.int32, device=self.device)  # empty windows: fold only
+        on = self.per_device(slots, qsl, start, count)  # each group launches on its own device
         if self.ring_mode:  # max_pending 0: every row with pending tokens folds
-            for spec, g in self._gdn.items():
+            for (dev, spec), g in self._gdn.items():
                 H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
-                empty = torch.empty(0, device=self.device)
+                d_slots, d_qsl, d_start, d_count = on[dev]
+                empty = torch.empty(0, device=dev)
                 q, v, gb = empty.reshape(0, H, K), empty.reshape(0, HV, V), empty.reshape(0, HV)
                 for layer in range(len(g.members)):
-                    _eager.call("gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], slots, qsl, v,
-                                *(r[layer] for r in g.ring), start, count, 0, 0, K ** -0.5, True)
+                    _eager.call("gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], d_slots, d_qsl, v,
+                                *(r[layer] for r in g.ring), d_start, d_count, 0, 0, K ** -0.5, True)
             self.pending_start.index_copy_(0, idx, (start + count) % self.ring_positions)
             self.pending_count.index_fill_(0, idx, 0)
             return
-        for spec, g in self._gdn.items():
+        for (dev, spec), g in self._gdn.items():
             H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
-            empty = torch.empty(0, device=self.device)
+            d_slots, d_qsl, d_start, d_count = on[dev]
+            empty = torch.empty(0, device=dev)
             q = empty.reshape(0, H, K)
             v = empty.reshape(0, HV, V)
             for layer in range(len(g.members)):
                 prev = [r[layer] for r in g.prev_records]
                 _eager.call("gdn_folded_verify", q, q, v, empty.reshape(0, HV), empty.reshape(0, HV), g.state[layer],
-                            slots, qsl, v, v.clone(), q.clone(), empty.reshape(0, HV), *prev, start, count,
+                            d_slots, d_qsl, v, v.clone(), q.clone(), empty.reshape(0, HV), *prev, d_start, d_count,
                             K ** -0.5, True)
         self.pending_count.index_fill_(0, idx, 0)
         if self._pending_host is not None:

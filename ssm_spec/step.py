@@ -1,4 +1,5 @@
-"""``commit``: after sampling, commit every verify row of every layer in one launch per group.
+"""``commit``: after sampling, commit every verify row of every layer in one launch per group
+(a group: the layers of one state shape on one device).
 
 The plan (source, destination and boundary slots per row) is computed on the device from the
 step's metadata and the accepted counts, so no host sync sits between sampling and commit
@@ -59,8 +60,10 @@ def _commit_snapshots(pool: StatePool, metadata: RecoverSSMMetadata, num_accepte
     dummy = torch.full_like(src, pool.dummy_slot)
     scratch = torch.where(take, pool.num_slots + metadata.verify_query_start_loc[:-1].long() + n - 1, dummy)
     target = torch.where(take, src, dummy)
-    for state, _ in (*pool.gdn_groups.values(), *pool.conv_groups.values()):
-        state.index_copy_(1, target, state.index_select(1, scratch))
+    on = pool.per_device(target, scratch)
+    for (device, _), (state, _) in (*pool.gdn_groups.items(), *pool.conv_groups.items()):
+        d_target, d_scratch = on[device]
+        state.index_copy_(1, d_target, state.index_select(1, d_scratch))
 
 
 def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: torch.Tensor,
@@ -68,17 +71,19 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
     """Commit the accepted tokens of every verify row into every layer's states.
 
     One grouped ``gdn_commit`` launch per GDN state group and one ``short_conv_commit`` per
-    conv shape group; prefill and padding rows take no part. With a folded pool
-    (``StatePool(folded=True)``) the GDN states are not written here: each row's count is
+    conv shape group, each on its group's device; prefill and padding rows take no part. With a
+    folded pool (``StatePool(folded=True)``) the GDN states are not written here: each row's count is
     noted on the device and the next step's verify commits it (see :class:`~ssm_spec.StatePool`);
     in fast mode (``mode="fast"``) the records replayed are the closed-form verify's, and a fast
     folded pool keeps the accepted tokens pending in its rings (the lazy commit).
 
     Args:
         pool: the :class:`~ssm_spec.StatePool` the step's layers verified against.
-        metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
-        num_accepted_tokens: ``[B]`` int32 on the device, ``0 <= n[b] <= window length``
-            (``0``: a discarded step, nothing written).
+        metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata` (the same object the layers
+            got), on ``pool.device``.
+        num_accepted_tokens: ``[B]`` int32 on the device (a pool spread over devices: on
+            ``pool.device``; the plan is copied once to each other device), ``0 <= n[b] <=
+            window length`` (``0``: a discarded step, nothing written).
         validate: check the counts on the host (``None``: in eager mode only).
 
     Raises:
@@ -113,8 +118,10 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         pool.note_accepted(metadata, n)
     elif pool.folded:  # the next step's verify commits the GDN states (gdn_folded_verify)
         pool.note_pending(metadata, n, host_counts)
-    else:
-        for state, records in pool.gdn_groups.values():
-            _eager.call("gdn_commit", state, *(r[:, :T] for r in records), qsl, src, n, dst, bidx, boff)
-    for state, rec_x in pool.conv_groups.values():
-        _eager.call("short_conv_commit", state, rec_x[:, :T], qsl, src, n, dst, bidx, boff)
+    # the plan on each group's device: the tensors themselves on a pool on one device
+    on = pool.per_device(qsl, src, n, dst, bidx, boff)
+    if not pool.folded:
+        for (device, _), (state, records) in pool.gdn_groups.items():
+            _eager.call("gdn_commit", state, *(r[:, :T] for r in records), *on[device])
+    for (device, _), (state, rec_x) in pool.conv_groups.items():
+        _eager.call("short_conv_commit", state, rec_x[:, :T], *on[device])

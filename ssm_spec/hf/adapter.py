@@ -22,6 +22,7 @@ from torch import nn
 from ..metadata import RecoverSSMMetadata
 from ..modules import RecoverGatedDeltaNet
 from ..pools import StatePool
+from .placement import hook_loaded
 
 __all__ = ["RecoverGDNAdapter"]
 
@@ -41,7 +42,15 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
             roll back a recurrent state); grad mode with parameters that require grad.
     """
 
-    engine_forward = RecoverGatedDeltaNet.forward  # the engine call: flat tokens, metadata, pool
+    def engine_forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
+        """The engine call, :meth:`RecoverGatedDeltaNet.forward` (flat tokens ``[T, hidden]``,
+        metadata, pool). The layer reads ``conv1d.weight`` without calling ``conv1d``: under a
+        device map that offloads it (accelerate hooks), its hook loads it around the call."""
+        hook = self.conv1d.__dict__.get("_hf_hook")  # accelerate keeps hooks in the instance dict
+        if hook is None:
+            return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
+        with hook_loaded(self.conv1d):
+            return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
 
     @classmethod
     def from_hf(cls, module: nn.Module, tp_group=None) -> RecoverGDNAdapter:

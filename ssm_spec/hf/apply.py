@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+import warnings
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from torch import nn
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
 from .graphed import SUPPORTED_ATTENTION
+from .placement import carry_hook, placement_problem
 
 __all__ = ["apply_recoverssm", "is_converted", "draft_length", "cache_kwarg"]
 
@@ -82,7 +84,12 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` (text prompts; its
             vision tower is left alone and ``generate`` refuses image and video inputs), or any
             module tree holding their GatedDeltaNet layers as ``linear_attn``, on any device
-            and dtype. The expert layers run through transformers' own implementation.
+            and dtype, or spread over devices by a ``device_map`` (``from_pretrained(...,
+            device_map=...)`` or ``accelerate.dispatch_model``; GPUs, the CPU, weights
+            offloaded to the CPU or the disk): each converted layer keeps the accelerate hook
+            of the layer it replaces and its states live on the device its forward runs on
+            (docs/design.md section 5.9). The expert layers run through transformers' own
+            implementation.
         state_dtype: recurrent state dtype of the caches it creates: ``torch.float32`` (the
             default) or ``torch.bfloat16``.
         cuda_graphs: ``True``: ``generate`` on unpadded rows uses a cache with static
@@ -95,7 +102,10 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             ``use_cache=False`` and an assistant's own calls (the model drafting for another,
             or for itself) get the plain cache; a cache passed in is used as it is (one made
             with ``max_cache_len`` runs graphed). ``False`` also drops the kept cache.
-            ``None`` keeps the current setting (initially off).
+            ``None`` keeps the current setting (initially off). A model spread over several
+            devices, or with offloaded weights (a device map), is not captured: ``generate``
+            warns (``RuntimeWarning``) and runs eagerly with the plain cache (a graphed cache
+            passed in runs eagerly too), with the same tokens.
         mode: ``"exact"`` (the default: tokens equal plain greedy in fp32) or ``"fast"``: the
             closed-form verify (docs/design.md section 2.6; equal tokens up to the first near-tie).
             ``None`` keeps the current setting.
@@ -110,7 +120,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
             ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
-            sdpa or eager.
+            sdpa or eager; ``tp_group`` with GDN weights offloaded by a device map (on the
+            ``meta`` device: there is nothing to slice).
 
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
@@ -137,12 +148,15 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             if not cuda_graphs:
                 model._recoverssm.setdefault("graph_cache", _KeptCache()).cache = None
         return model
-    found = 0
-    for parent in list(model.modules()):
-        child = getattr(parent, "linear_attn", None)
-        if isinstance(child, nn.Module) and _is_hf_gdn(child):
-            parent.linear_attn = RecoverGDNAdapter.from_hf(child, tp_group=tp_group)
-            found += 1
+    found = [(parent, parent.linear_attn) for parent in model.modules()
+             if isinstance(getattr(parent, "linear_attn", None), nn.Module) and _is_hf_gdn(parent.linear_attn)]
+    if tp_group is not None and any(p.device.type == "meta" for _, child in found for p in child.parameters()):
+        raise ValueError("apply_recoverssm: tp_group: GatedDeltaNet weights are offloaded by a device map (on the "
+                         "meta device); shard a model whose GDN layers are resident")
+    for parent, child in found:
+        adapter = RecoverGDNAdapter.from_hf(child, tp_group=tp_group)
+        carry_hook(child, adapter)  # a device map's hook: same execution device, same offloading
+        parent.linear_attn = adapter
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
@@ -210,6 +224,13 @@ def _generate(self, *args, **kwargs):
         return original(self, *args, **kwargs)  # every step re-feeds the sequence: no state to keep
     if cache is None:
         graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
+        if graphs:
+            problem = placement_problem(self)
+            if problem is not None:
+                warnings.warn(f"apply_recoverssm(cuda_graphs=True): {problem}; a CUDA graph holds the forward of one "
+                              "device with resident weights, so generate runs eagerly with the plain cache",
+                              RuntimeWarning, stacklevel=3)
+                graphs = False
         cache = _graph_cache(self, named, gen_config, R) if graphs else None
         if cache is None:
             cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"],
@@ -340,10 +361,17 @@ def _forward(self, *args, **kwargs):
 
 def _bind(model, name, fn):
     """Set ``model.<name>`` to ``fn`` bound to the model, with the signature of the class's
-    method (transformers inspects it) and rebinding to the copy under ``copy.deepcopy``."""
+    method (transformers inspects it) and rebinding to the copy under ``copy.deepcopy``.
+
+    A model dispatched with a device map has an accelerate hook on ``forward`` (its inputs to
+    the main device, its outputs back to the inputs' device): ``fn`` then replaces the method
+    the hook wraps (``_old_forward``), so the hook keeps running around it."""
     @functools.wraps(getattr(type(model), name))
     def method(self, *args, **kwargs):
         return fn(self, *args, **kwargs)
 
+    if name == "forward" and "_hf_hook" in model.__dict__ and "_old_forward" in model.__dict__:
+        model._old_forward = types.MethodType(method, model)
+        return
     setattr(model, name, types.MethodType(method, model))
 

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionLayer
 
 from .adapter import RecoverGDNAdapter
+from .placement import layer_devices
 from .rollback import RollbackPool
 from .static_kv import StaticAttentionLayer
 
@@ -111,7 +112,8 @@ class RecoverSSMCache(DynamicCache):
 
     Args:
         model: the converted model (its text config sizes the attention layers; its converted
-            GDN layers own the states).
+            GDN layers own the states). On a model spread over devices by a device map each
+            layer's states live on the device its forward runs on (docs/design.md section 5.9).
         max_pending: tokens per sequence kept croppable between forwards (``>= 1``); the
             converted ``generate`` raises it to the draft length it will use. A prompt forward
             runs the chunked prefill over all but its last ``max_pending`` tokens.
@@ -203,13 +205,16 @@ class RecoverSSMCache(DynamicCache):
 
     def _begin_forward(self, B, L, dtype, device):
         """Plan a forward of ``L`` tokens for each of ``B`` rows on the rollback pool (made here
-        on the first forward, with ``dtype`` conv states on ``device``)."""
+        on the first forward, with ``dtype`` conv states on ``device``, or, for a model whose
+        converted layers run on several devices (a device map), each layer's states on the
+        device its forward runs on: :func:`~ssm_spec.hf.placement.layer_devices`)."""
         rb = self.rollback
         if rb is None or rb.batch_size != B:
             if rb is not None and rb.seen:
                 raise ValueError(f"RecoverSSMCache: batch size changed from {rb.batch_size} to {B} mid-sequence")
-            self.rollback = rb = RollbackPool(self.adapters, B, self.max_pending,
-                                              dtype=self.state_dtype, conv_dtype=dtype, device=device, mode=self.mode)
+            self.rollback = rb = RollbackPool(self.adapters, B, self.max_pending, dtype=self.state_dtype,
+                                              conv_dtype=dtype, device=layer_devices(self.adapters, device),
+                                              mode=self.mode)
         rb.max_pending = max(rb.max_pending, self.max_pending)
         rb.begin_forward(L)
         self._forwards += 1

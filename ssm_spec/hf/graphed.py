@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .placement import placement_problem
 from .static_kv import StaticAttentionLayer
 
 __all__ = ["GraphedForward", "SUPPORTED_ATTENTION"]
@@ -263,7 +264,15 @@ class GraphedForward:
 
     def _capture(self, model, input_ids, position_ids, kv_positions):
         """Warm up (host syncs raise), capture and return the graph of this forward, or ``None``
-        after a warning when the model cannot be captured (``failed`` says why)."""
+        after a warning when the model cannot be captured (``failed`` says why): a model whose
+        placement a graph cannot hold (several devices, offloaded weights: a device map) is
+        refused before anything runs."""
+        problem = placement_problem(model)
+        if problem is not None:
+            self.failed = f"{problem}; a CUDA graph holds the forward of one device with resident weights"
+            warnings.warn(f"apply_recoverssm(cuda_graphs=True): {self.failed}; running eagerly.", RuntimeWarning,
+                          stacklevel=4)
+            return None
         static_ids = input_ids.clone()
         static_kv = kv_positions.clone()
         static_pos = None if position_ids is None else position_ids.clone()

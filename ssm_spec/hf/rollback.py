@@ -16,6 +16,10 @@ slot and the replay records of the tokens after it (the pending tokens):
   message) commits what is pending, runs the chunked prefill over all but its last
   ``max_pending`` tokens and verifies those.
 
+A model spread over devices (a ``device_map``) gets a pool whose groups sit on the layers'
+devices: every commit launch runs on its group's device, with slot tensors made once per device
+and each forward's metadata copied once per device and plan.
+
 Every count is a host integer that transformers already holds (window lengths, crop sizes),
 so nothing here synchronises with the device.
 """
@@ -55,11 +59,13 @@ class RollbackPool:
         batch_size: rows (sequences); every forward carries the same number of tokens per row.
         max_pending: tokens kept pending between forwards (``>= 1``): the deepest crop that
             must succeed after a forward without crops since.
-        dtype / conv_dtype / device / mode: as :class:`~ssm_spec.StatePool` (``mode="fast"``:
-            the closed-form verify; its records replay as the exact ones do).
+        dtype / conv_dtype / device / mode: as :class:`~ssm_spec.StatePool` (``device``: one
+            device, or one per layer; ``mode="fast"``: the closed-form verify, its records
+            replay as the exact ones do).
 
     Raises:
-        ValueError: ``batch_size < 1`` or ``max_pending < 1``.
+        ValueError: ``batch_size < 1`` or ``max_pending < 1``; from :meth:`run`, hidden states
+            on another device than the layer's states (a pool on several devices).
     """
 
     def __init__(self, layers, batch_size: int, max_pending: int, *, dtype=torch.float32, conv_dtype=None,
@@ -72,13 +78,14 @@ class RollbackPool:
         self._pool_kwargs = dict(dtype=dtype, conv_dtype=conv_dtype, device=device, mode=mode)
         self.pool = StatePool(self.layers, num_slots=2 * self.batch_size,
                               max_tokens=self.batch_size * self.max_pending, **self._pool_kwargs)
-        self.device = self.pool.device
+        self.device = self.pool.device  # where the forwards' metadata is built
         B = self.batch_size
-        self._ckpt = torch.arange(B, dtype=torch.int32, device=self.device)
-        self._scratch = torch.arange(B, 2 * B, dtype=torch.int32, device=self.device)
-        self._no_boundaries = torch.empty((B, 0), dtype=torch.int32, device=self.device)
+        # per device, made once: (checkpoint slots, scratch slots, no boundaries)
+        self._slots = {d: (torch.arange(B, dtype=torch.int32, device=d),
+                           torch.arange(B, 2 * B, dtype=torch.int32, device=d),
+                           torch.empty((B, 0), dtype=torch.int32, device=d)) for d in self.pool.devices}
         self.seen = 0  # tokens per row in the state, pending ones included
-        self._pending = {}  # group spec -> records [NL, B, p, ...] of the pending tokens
+        self._pending = {}  # group key (device, spec) -> records [NL, B, p, ...] of the pending tokens
         self._pending_len = 0
         self._scratch_len = 0  # pending tokens already replayed into the scratch slots
         self._unabsorbed = 0  # tokens per row whose records still sit in the pool's buffers
@@ -156,6 +163,10 @@ class RollbackPool:
         if B != self.batch_size or L != plan.prefill_len + plan.verify_len:
             raise ValueError(f"RollbackPool.run: hidden: got [{B}, {L}, {D}]; the forward planned "
                              f"[{self.batch_size}, {plan.prefill_len + plan.verify_len}, ...]")
+        if len(self.pool.devices) > 1 and hidden.device != self.pool.device_of(layer):
+            raise ValueError(f"RollbackPool.run: {type(layer).__name__} got hidden states on {hidden.device}; its "
+                             f"states are on {self.pool.device_of(layer)} (the device its forward was expected to "
+                             "run on when the pool was made)")
         step = getattr(layer, "engine_forward", None) or layer  # adapters keep HF's forward
         outs = []
         if plan.prefill is not None:
@@ -189,19 +200,19 @@ class RollbackPool:
         """Reorder the rows (beam search): row ``b`` becomes old row ``index[b]``."""
         self._absorb()
         idx = index.to(device=self.device, dtype=torch.long)
-        rows = torch.cat([idx, idx + self.batch_size])
-        for _, _, state, _ in self._groups():
-            state[:, : 2 * self.batch_size] = state[:, rows]
-        for spec, recs in self._pending.items():
-            self._pending[spec] = tuple(r[:, idx] for r in recs)
+        on = self.pool.per_device(idx, torch.cat([idx, idx + self.batch_size]))
+        for key, _, state, _ in self._groups():
+            state[:, : 2 * self.batch_size] = state[:, on[key[0]][1]]
+        for key, recs in self._pending.items():
+            self._pending[key] = tuple(r[:, on[key[0]][0]] for r in recs)
 
     # ------------------------------------------------------------------ internals
     def _groups(self):
-        """``(spec, commit op, state, records)`` per state group of the pool."""
-        for spec, (state, records) in self.pool.gdn_groups.items():
-            yield spec, "gdn_commit", state, tuple(records)
-        for spec, (state, records) in self.pool.conv_groups.items():
-            yield spec, "short_conv_commit", state, (records,)
+        """``((device, spec), commit op, state, records)`` per state group of the pool."""
+        for key, (state, records) in self.pool.gdn_groups.items():
+            yield key, "gdn_commit", state, tuple(records)
+        for key, (state, records) in self.pool.conv_groups.items():
+            yield key, "short_conv_commit", state, (records,)
 
     def _absorb(self) -> None:
         """Move the last forward's records from the pool's buffers to the pending store."""
@@ -209,12 +220,12 @@ class RollbackPool:
         if not t:
             return
         B = self.batch_size
-        for spec, _, _, records in self._groups():
+        for key, _, _, records in self._groups():
             new = tuple(r[:, : B * t].unflatten(1, (B, t)).clone() for r in records)
-            old = self._pending.get(spec)
+            old = self._pending.get(key)
             if old is not None and old[0].shape[2]:
                 new = tuple(torch.cat([o, n], 2) for o, n in zip(old, new))
-            self._pending[spec] = new
+            self._pending[key] = new
         self._pending_len += t
         self._unabsorbed = 0
 
@@ -225,29 +236,31 @@ class RollbackPool:
         count = n - lo
         if count <= 0:
             return
-        src = self._ckpt if into_checkpoint or lo == 0 else self._scratch
-        dst = self._ckpt if into_checkpoint else self._scratch
-        qsl, counts = self._count_tensors(count)
-        for spec, op, state, _ in self._groups():
-            recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[spec])
-            _eager.call(op, state, *recs, qsl, src, counts, dst, self._no_boundaries, self._no_boundaries)
+        for key, op, state, _ in self._groups():
+            device = key[0]
+            ckpt, scratch, none = self._slots[device]
+            src = ckpt if into_checkpoint or lo == 0 else scratch
+            dst = ckpt if into_checkpoint else scratch
+            qsl, counts = self._count_tensors(count, device)
+            recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[key])
+            _eager.call(op, state, *recs, qsl, src, counts, dst, none, none)
         if into_checkpoint:
-            for spec, recs in self._pending.items():
-                self._pending[spec] = tuple(r[:, :, n:] for r in recs)
+            for key, recs in self._pending.items():
+                self._pending[key] = tuple(r[:, :, n:] for r in recs)
             self._pending_len -= n
             self._scratch_len = max(0, self._scratch_len - n)
         else:
             self._scratch_len = n
 
-    def _count_tensors(self, count: int):
-        """``(query_start_loc [B+1], num_accepted_tokens [B])`` int32 for ``count`` tokens per row,
-        made once per count (no allocation or fill launch per commit)."""
-        cached = self._counts.get(count)
+    def _count_tensors(self, count: int, device):
+        """``(query_start_loc [B+1], num_accepted_tokens [B])`` int32 for ``count`` tokens per row
+        on ``device``, made once per count and device (no allocation or fill launch per commit)."""
+        cached = self._counts.get((count, device))
         if cached is None:
             B = self.batch_size
-            cached = self._counts[count] = (
-                torch.arange(0, B * count + 1, count, dtype=torch.int32, device=self.device),
-                torch.full((B,), count, dtype=torch.int32, device=self.device))
+            cached = self._counts[count, device] = (
+                torch.arange(0, B * count + 1, count, dtype=torch.int32, device=device),
+                torch.full((B,), count, dtype=torch.int32, device=device))
         return cached
 
     def _bring_scratch_up_to_date(self) -> str:

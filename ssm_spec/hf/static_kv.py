@@ -57,6 +57,8 @@ class StaticAttentionLayer(DynamicLayer):
             raise ValueError("StaticAttentionLayer: the forward's write positions are not set for its "
                              f"{key_states.shape[-2]} tokens; call the model through its RecoverSSMCache's "
                              "graphed forward (apply_recoverssm(model, cuda_graphs=True))")
+        if idx.device != self.keys.device:  # a layer on another device than the inputs (a device map; eager)
+            idx = idx.to(self.keys.device)
         self.keys.index_copy_(2, idx, key_states)
         self.values.index_copy_(2, idx, value_states)
         return self.keys, self.values

@@ -200,7 +200,10 @@ class RecoverGatedDeltaNet(nn.Module):
             hidden: ``[T, hidden]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
                 count; rows outside every window come out zero).
             metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
-            pool: the :class:`~ssm_spec.StatePool` holding this layer's states.
+            pool: the :class:`~ssm_spec.StatePool` holding this layer's states; ``hidden`` and
+                the layer's parameters are on the device of those states
+                (``pool.device_of(layer)``); ``metadata`` may be on another of the pool's
+                devices (copied once, :meth:`~ssm_spec.RecoverSSMMetadata.to`).
 
         Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
 
@@ -214,18 +217,20 @@ class RecoverGatedDeltaNet(nn.Module):
                 anything is written.
         """
         check_inference("RecoverGatedDeltaNet", hidden, self)
+        state = pool.gdn_state(self)
+        dev = state.device  # a pool spread over devices: this layer's states, plans and metadata live here
         fold = None
         if pool.folded:  # before anything is written: these may refuse the step
             if metadata.align:
                 raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-            fold = pool.lazy_plan(metadata) if pool.ring_mode else pool.fold_plan(metadata)
+            fold = pool.lazy_plan(metadata, dev) if pool.ring_mode else pool.fold_plan(metadata, dev)
+        metadata = metadata.to(dev)  # itself on a pool on one device
         T = hidden.shape[0]
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.project(hidden)
         conv_out = run_short_conv(mixed, self.conv1d.weight[:, 0], self.conv1d.bias, pool.conv_state(self),
                                   pool.conv_record(self, pool.max_tokens), metadata, 1, "silu", pool)
         q, k, v, g, beta = self.gates(conv_out, a, b)
-        state = pool.gdn_state(self)
         core = torch.zeros((T, HV, V), dtype=v.dtype, device=v.device)
         scale = K**-0.5
         if metadata.has_verify:
@@ -235,7 +240,7 @@ class RecoverGatedDeltaNet(nn.Module):
             args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
                     metadata.verify_query_start_loc)
             if pool.snapshot:  # the native path: a state write per window token
-                _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start),
+                _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start, dev),
                             core[span], scale, True)
             elif pool.ring_mode:  # fast mode, lazy commit: fold when pending tokens would pass max_pending
                 _eager.call("gdn_closed_form_folded_verify", *args, core[span], *pool.gdn_ring(self), *fold,

@@ -126,7 +126,9 @@ class RecoverShortConv(nn.Module):
             x: ``[T, C]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
                 count; rows outside every window come out zero).
             metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
-            pool: the :class:`~ssm_spec.StatePool` holding this layer's states.
+            pool: the :class:`~ssm_spec.StatePool` holding this layer's states (``x`` and the
+                parameters on their device; ``metadata`` may be on another of the pool's
+                devices).
 
         Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
 
@@ -139,9 +141,10 @@ class RecoverShortConv(nn.Module):
         check_inference("RecoverShortConv", x, self)
         if self.tp_group is not None:  # this rank's channels of the full input
             x = x[:, self.tp_channels[0]:self.tp_channels[1]]
-        out = run_short_conv(x, self.weight[:, 0], self.bias, pool.conv_state(self),
-                             pool.conv_record(self, pool.max_tokens), metadata, self.dilation, self.activation,
-                             pool)
+        conv_state = pool.conv_state(self)
+        out = run_short_conv(x, self.weight[:, 0], self.bias, conv_state,
+                             pool.conv_record(self, pool.max_tokens), metadata.to(conv_state.device), self.dilation,
+                             self.activation, pool)
         if self.tp_group is not None:
             out = all_gather_channels(out, self.tp_group)
         return out
