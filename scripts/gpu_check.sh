@@ -17,8 +17,9 @@ PARTS=${*:-tests bench}
 #   pip download --no-deps -d .whl "fla-core>=0.6" einops     (pure-Python wheels)
 # and name .whl in the device tool's carry
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # two parts started at once share one install (a second --upgrade would rewrite it under the first)
+  [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
+  [ -f /tmp/site/.installed ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"

@@ -9,8 +9,8 @@ for the bits-per-byte measurement.
 
 The models are the plain Hugging Face classes (``Qwen3_5ForCausalLM``; no kernels of ours in
 training): the target has GDN layers with full attention every fourth layer, as the published
-models (about 7 M parameters); the draft has one GDN and one attention layer (Qwen3.5's
-forward needs an attention layer for its cache) and the same byte vocabulary.
+models (about 6 M parameters); the draft has one GDN and one attention layer (Qwen3.5's forward
+needs an attention layer for its cache), a narrower MLP and the same byte vocabulary.
 
     python scripts/train_demo_model.py --out demo_out            # H200: the full run (< 8 min)
     python scripts/train_demo_model.py --smoke --out /tmp/demo   # a few steps at tiny sizes (CPU)
@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ssm_spec.hf.kernels import hf_reference_kernels  # noqa: E402
 from ssm_spec.hf.tiny import EOS_TOKEN_ID, tiny_config  # noqa: E402
 
 #: Path parts that mark test code (left out of both splits).
@@ -48,6 +49,10 @@ def is_build_generated(parts: list[str]) -> bool:
     ``_sysconfigdata*.py`` and anything under ``config-<version>-<platform>/``."""
     return parts[-1].startswith("_sysconfigdata") or any(p.startswith("config-") for p in parts[:-1])
 
+#: The steps timed (from, to) before a time budget (``--minutes``) shortens the run (the first
+#: steps compile and tune kernels: left out of the timing).
+TIMED_STEPS = (10, 30)
+
 #: One file in ``HELD_OUT_EVERY`` (by the SHA-1 of its path) is held out.
 HELD_OUT_EVERY = 20
 CORPUS_LICENSE = "Python Software Foundation License Version 2 (the CPython standard library)"
@@ -55,7 +60,7 @@ CORPUS_LICENSE = "Python Software Foundation License Version 2 (the CPython stan
 #: Sizes: the target's config overrides of ``tiny_config("qwen3_5")`` and the run's schedule; the
 #: draft is the target's first two layers' shape (:func:`draft_sizes`).
 FULL = dict(target=dict(hidden_size=256, num_layers=8, linear_num_key_heads=4, linear_num_value_heads=8,
-                        linear_head_dim=32, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+                        linear_head_dim=32, intermediate_size=640, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64),
             steps=3000, batch_size=64, seq_len=512, lr=3e-3, warmup=150, eval_windows=256)
 SMOKE = dict(target=dict(hidden_size=32, num_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -65,9 +70,11 @@ SMOKE = dict(target=dict(hidden_size=32, num_layers=4, linear_num_key_heads=2, l
 
 
 def draft_sizes(target: dict) -> dict:
-    """The draft's config overrides: the target's widths, one GDN and one attention layer
-    (Qwen3.5's forward needs an attention layer for its cache)."""
-    return {**target, "num_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+    """The draft's config overrides: the target's widths with a narrower MLP (the pair stays under
+    the package's 16 MB), one GDN and one attention layer (Qwen3.5's forward needs an attention
+    layer for its cache)."""
+    return {**target, "num_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+            "intermediate_size": max(8, target["intermediate_size"] * 3 // 5)}
 
 
 def stdlib_split(root: Path | None = None) -> tuple[list[str], list[str]]:
@@ -91,7 +98,8 @@ def load_bytes(root: Path, files: list[str]) -> torch.Tensor:
     chunks = []
     for rel in files:
         data = (root / rel).read_bytes()
-        chunks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64))
+        if data:  # an empty file (many __init__.py) is its eos alone
+            chunks.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64))
         chunks.append(torch.tensor([EOS_TOKEN_ID]))
     return torch.cat(chunks)
 
@@ -135,11 +143,16 @@ def parse(argv=None):
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"optimizer steps, >= 1 (default: {FULL['steps']}; with --smoke: {SMOKE['steps']})")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="training time budget: after 20 timed steps the run is shortened to fit it, the cosine "
+                        "schedule rescaled to the new length (default: 6 on CUDA, none elsewhere)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default: 0)")
     p.add_argument("--stdlib", default=None, help="the corpus root (default: this Python's standard library)")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps: expected >= 1, got {args.steps}")
+    if args.minutes is not None and not args.minutes > 0:
+        p.error(f"--minutes: expected > 0, got {args.minutes}")
     out = Path(args.out).expanduser()
     if any(q.exists() and not q.is_dir() for q in (out, *out.parents)):
         p.error(f"--out {args.out}: exists and is not a directory")
@@ -157,6 +170,15 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     args = parse(argv)
+    # transformers' own PyTorch GDN functions, not the fla-core kernels it binds where installed:
+    # fla-core 0.6 refuses its gated chunk backward on Hopper under Triton < 3.7.1 (wrong results
+    # there, fla issue #640), and the same math then trains the pair on any machine.
+    with hf_reference_kernels():
+        return train(args, sys.argv[1:] if argv is None else argv)
+
+
+def train(args, argv: list[str]) -> int:
+    """The run of :func:`main` (its arguments parsed and checked)."""
     from tqdm import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -199,7 +221,24 @@ def main(argv=None) -> int:
     curve = {"step": [], "target": [], "draft": []}
     t0 = time.time()
     bar = tqdm(range(steps), desc="train", unit="step", disable=None)
+    minutes = args.minutes if args.minutes is not None else (6.0 if device.type == "cuda" else None)
+    planned, t_timed = steps, None
     for step in bar:
+        if step >= steps:
+            break
+        if minutes is not None and step == TIMED_STEPS[0]:
+            t_timed = time.time()
+        if minutes is not None and step == TIMED_STEPS[1] < steps:
+            per_step = (time.time() - t_timed) / (TIMED_STEPS[1] - TIMED_STEPS[0])
+            fits = step + int((minutes * 60 - (time.time() - t0)) / per_step)
+            if fits < steps:  # shorten the run; the schedule's remaining cosine is spread over what fits
+                steps = max(fits, step + 1)
+                warmup = min(warmup, steps // 2)
+                for name in models:
+                    scheds[name] = get_cosine_schedule_with_warmup(opts[name], warmup, steps, last_epoch=step - 1)
+                bar.total = steps
+                print(f"time budget {minutes:g} min ({per_step * 1e3:.0f} ms a step): {steps} of {planned} steps",
+                      file=sys.stderr)
         starts = torch.randint(0, train.numel() - T - 1, (B,), generator=gen)
         x = torch.stack([train[s:s + T + 1] for s in starts.tolist()]).to(device, non_blocking=True)
         losses = {}
@@ -214,7 +253,7 @@ def main(argv=None) -> int:
             opts[name].step()
             scheds[name].step()
             losses[name] = float(loss.detach()) / math.log(2)
-        if step % max(1, steps // 200) == 0 or step == steps - 1:
+        if step % max(1, planned // 200) == 0 or step == steps - 1:
             curve["step"].append(step)
             for name in models:
                 curve[name].append(losses[name])
@@ -230,8 +269,9 @@ def main(argv=None) -> int:
         m.to(torch.bfloat16).save_pretrained(out / name, safe_serialization=True)
         params[name] = sum(p.numel() for p in m.parameters())
     manifest = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "smoke": args.smoke, "seed": args.seed, "steps": steps, "warmup": warmup, "batch_size": B, "seq_len": T,
+        "command": " ".join([Path(sys.argv[0]).name, *argv]),
+        "smoke": args.smoke, "seed": args.seed, "steps": steps, "planned_steps": planned, "minutes": minutes,
+        "warmup": warmup, "batch_size": B, "seq_len": T,
         "lr": cfg["lr"],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "train_seconds": round(train_s, 1), "parameters": params,

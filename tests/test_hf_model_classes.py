@@ -113,3 +113,44 @@ def test_bf16_tokens_agree_with_plain_greedy_up_to_the_first_near_tie(kind):
         ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs().clamp_min(2.0**-100))).item() - 7)
         print(f"{kind}: bf16 parts from plain greedy at new token {p}, logit gap {float(top[0] - top[1]):.4g}")
         assert float(top[0] - top[1]) <= 4 * ulp, (p, float(top[0] - top[1]), ulp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
+    """On CUDA with ``cuda_graphs=True`` (fp32): capture never falls back (its warning is an
+    error here), prompt lookup and an assistant give plain greedy's tokens of the unconverted
+    model (expert layers through the capture-safe implementation in both), and the replayed
+    forwards give the eager body's logits bit for bit."""
+    import warnings
+
+    from ssm_spec.hf.apply import CAPTURE_SAFE_EXPERTS
+
+    device = torch.device("cuda")
+    prompt = PROMPT.to(device)
+    reference = tiny_model(kind, seed=1).to(device)
+    if kind.endswith("moe"):
+        reference.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
+    want = reference.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    logits = []
+    for capture in (True, False):
+        model = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            # keeps a cache sized for the calls below (a longer call would keep a new one, capture on)
+            model.generate(prompt, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
+            graphed = model._recoverssm["graph_cache"].cache.graphed
+            graphed.capture = capture
+            before = graphed.replays
+            out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3,
+                                 output_logits=True, return_dict_in_generate=True)
+            assert torch.equal(out.sequences, want), (kind, capture)
+            assert model._recoverssm["graph_cache"].cache.graphed is graphed
+            assert graphed.failed is None and (graphed.replays > before) == capture
+            logits.append(torch.cat(out.logits))
+            if capture:
+                assistant = apply_recoverssm(tiny_model(kind, seed=2).to(device), cuda_graphs=True)
+                got = model.generate(prompt, max_new_tokens=NEW, do_sample=False, assistant_model=assistant)
+                assert torch.equal(got, want), (kind, "assistant")
+    assert torch.equal(logits[0], logits[1])

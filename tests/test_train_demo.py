@@ -45,6 +45,15 @@ def smoke_run(tmp_path_factory):
     return out
 
 
+def test_empty_files_are_their_eos_alone(tmp_path):
+    """Many ``__init__.py`` files are empty (the first H200 run stopped on one)."""
+    (tmp_path / "__init__.py").write_bytes(b"")
+    (tmp_path / "a.py").write_bytes(b"x=1\n")
+    got = tdm.load_bytes(tmp_path, ["__init__.py", "a.py", "__init__.py"])
+    eos = tdm.EOS_TOKEN_ID
+    assert got.tolist() == [eos, *b"x=1\n", eos, eos]
+
+
 def test_smoke_run_writes_the_pair_and_its_manifest(smoke_run):
     man = json.loads((smoke_run / "demo.json").read_text())
     for name in ("target", "draft"):
