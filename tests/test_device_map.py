@@ -304,6 +304,17 @@ def test_metadata_copies_once_per_device():
     assert on_meta.to(META) is on_meta
 
 
+def test_static_attention_layer_takes_write_positions_from_another_device():
+    """A graphed cache run eagerly on a model spread over devices: the write positions come from
+    the inputs' device and each attention layer moves them to its own."""
+    from ssm_spec.hf.static_kv import StaticAttentionLayer
+
+    layer = StaticAttentionLayer(8)
+    layer.write_index = torch.tensor([3, 4])  # on the CPU
+    keys, values = layer.update(torch.ones(1, 2, 2, 4, device=META), torch.ones(1, 2, 2, 4, device=META))
+    assert keys.device == META and keys.shape == (1, 2, 8, 4)
+
+
 # ----------------------------------------------------------------------------- where layers run
 
 
@@ -442,6 +453,10 @@ def test_weights_offloaded_to_disk_generate_plain_greedy(tmp_path, kind):
     with pytest.warns(RuntimeWarning, match="offloads the weights"):
         out = _greedy(model, ids, 64, prompt_lookup_num_tokens=5)
     assert torch.equal(out, plain) and model._recoverssm["graph_cache"].cache is None
+    graphed = RecoverSSMCache(model, max_cache_len=128).graphed  # a graphed cache passed in: no capture
+    with pytest.warns(RuntimeWarning, match="running eagerly"):
+        assert graphed._capture(model, ids, None, torch.arange(ids.shape[1])) is None  # refused before CUDA
+    assert "offloads the weights" in graphed.failed
 
 
 def test_convert_then_dispatch_with_disk_offload(tmp_path):
