@@ -23,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, timeout=300):
+    """``ssm-spec generate ARGS`` in a subprocess; the tiny random model unless ARGS name a
+    ``--model`` (the default, the demo model, is tested in tests/test_demo_model.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    model = [] if "--model" in map(str, args) else ["--model", "tiny-random"]
+    return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *model, *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _row(stdout, name):

@@ -33,15 +33,29 @@ from transformers.generation.streamers import BaseStreamer
 
 __all__ = ["DEFAULT_PROMPT", "CLIError", "ProgressStreamer", "RunResult", "add_arguments", "busy_note", "main"]
 
-DEFAULT_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-                  "The quick brown fox")
+#: The default prompt: the start of a small class, whose continuation (more methods of the same
+#: shape) the demo model writes and prompt lookup can copy from.
+DEFAULT_PROMPT = ("class Stack:\n"
+                  '    """A last-in, first-out stack."""\n'
+                  "\n"
+                  "    def __init__(self):\n"
+                  "        self._items = []\n"
+                  "\n"
+                  "    def push(self, item):\n"
+                  '        """Push *item* onto the stack."""\n'
+                  "        self._items.append(item)\n"
+                  "\n"
+                  "    def pop(self):\n"
+                  '        """Remove and return the top item."""\n'
+                  "        return self._items.pop()\n"
+                  "\n")
 TINY_KIND = "qwen3_next"
 POSITIONS_SHOWN = 8  # per-position acceptance rates printed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DRAFT_KEYWORDS = ("prompt-lookup", "self")
 #: The line printed before the default model's text.
-RANDOM_WEIGHTS_NOTE = ("note: the default model is the embedded tiny model with random weights, so its text is "
-                       "random bytes (not language); --model PATH runs a real checkpoint")
+RANDOM_WEIGHTS_NOTE = ("note: --model tiny-random has random weights, so its text is random bytes (not language); "
+                       "the default, --model demo, is a trained model, and --model PATH runs a checkpoint")
 #: ``busy_note``'s thresholds: process CPU time over wall time of the timed calls below this, and
 #: the slowest over the fastest of one configuration's repeats above ``BUSY_SPREAD``.
 BUSY_SPREAD = 1.5
@@ -56,12 +70,13 @@ class CLIError(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``generate`` options to ``parser`` (an argparse subparser)."""
     parser.add_argument("--model", metavar="tiny-random|demo|PATH", default=None,
-                        help="a local Qwen3-Next / Qwen3.5 checkpoint directory, 'demo' (the packaged demo "
-                             "model trained on the standard library's source, when this build has it; "
-                             "SSM_SPEC_DEMO_DIR=DIR looks it up in a training run's --out DIR instead) or "
+                        help="'demo' (the default: the packaged byte-level Qwen3.5-shaped model trained on the "
+                             "Python standard library's source; SSM_SPEC_DEMO_DIR=DIR looks it up in a training "
+                             "run's --out DIR instead), a local Qwen3-Next / Qwen3.5 checkpoint directory, or "
                              f"'tiny-random' (the embedded tiny {TINY_KIND} model with random weights and a byte "
-                             "tokenizer; the default)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt (default: a short repetitive sentence)")
+                             "tokenizer: fast, its text random bytes)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT,
+                        help="the prompt (default: the start of a small Python class)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens to generate (256)")
     parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|demo|PATH",
                         help="where drafts come from: prompt lookup (default), 'self' (the model drafts for "
@@ -103,12 +118,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_names(args) -> None:
     """Replace the named checkpoints by what they stand for: ``--model tiny-random`` by the
     embedded tiny model (``None``), ``--model demo`` / ``--draft demo`` by the packaged demo
-    pair's directories (:mod:`ssm_spec.assets`).
+    pair's directories (:mod:`ssm_spec.assets`); no ``--model`` by the demo target where this
+    build carries it, else (with a note) the tiny model. Sets ``args.demo_model``.
 
     Raises:
         CLIError: ``demo`` asked for and not in this build (or ``$SSM_SPEC_DEMO_DIR``).
     """
-    from ..assets import demo_checkpoint
+    from ..assets import demo_available, demo_checkpoint, demo_dir
 
     def demo(name, option):
         try:
@@ -116,12 +132,19 @@ def resolve_names(args) -> None:
         except FileNotFoundError as exc:
             raise CLIError(f"{option} demo: {exc}") from None
 
-    if args.model == "tiny-random":
+    if args.draft == "demo":  # first: a missing demo draft is the one line said
+        args.draft = demo("draft", "--draft")
+    args.demo_model = args.model == "demo"
+    if args.model is None:  # the default: the demo pair's target, where this build carries it
+        if demo_available("target"):
+            args.model, args.demo_model = str(demo_checkpoint("target")), True
+        else:
+            _note(args, f"this build has no demo model ({demo_dir()}): running the tiny random model "
+                        "(--model tiny-random)")
+    elif args.model == "tiny-random":
         args.model = None
     elif args.model == "demo":
         args.model = demo("target", "--model")
-    if args.draft == "demo":
-        args.draft = demo("draft", "--draft")
 
 
 def _validate(args) -> None:
@@ -348,7 +371,9 @@ def load_model(args, device, dtype):
         return model, f"tiny {TINY_KIND} (random weights, seed {args.seed})"
     config = check_model_dir(args)
     path = _checkpoint_dir(args.model, "--model")
-    return _load_pretrained(path, "--model", dtype, device), f"{path} ({config.model_type})"
+    desc = f"the demo model, trained on the standard library ({path})" if getattr(args, "demo_model", False) \
+        else f"{path} ({config.model_type})"
+    return _load_pretrained(path, "--model", dtype, device), desc
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -383,6 +408,8 @@ def load_tokenizer(args) -> _Tokenizer:
             why = "an empty vocabulary"
     vocab = getattr(_load_config(path, "--model").get_text_config(decoder=True), "vocab_size", None)
     if vocab == ByteTokenizer.vocab_size:
+        if getattr(args, "demo_model", False):  # the demo pair is byte-level by construction
+            return _Tokenizer(ByteTokenizer(), "byte")
         _note(args, f"{path} has no usable tokenizer ({why}); its vocabulary size ({vocab}) is the byte "
                     "tokenizer's: using ssm_spec.hf.ByteTokenizer")
         return _Tokenizer(ByteTokenizer(), "byte")
