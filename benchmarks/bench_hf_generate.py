@@ -99,6 +99,9 @@ BASELINES = ("hf", "hf-torch")
 SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
 
 #: Widths of the default (H200) model and of ``--quick``.
+#: ``--model``'s default warm-up: 7 runs x 4 prompts x (warm-up + 2 timed calls) of host-bound
+#: eager generate took over 170 s on the H200 with a full-length warm-up.
+DEMO_WARMUP_TOKENS = 32
 FULL = dict(hidden=2048, layers=8, key_heads=16, value_heads=32, head_dim=128, attn_heads=16,
             kv_heads=2, attn_head_dim=128, intermediate=5632, new_tokens=256, repeats=2,
             forward_reps=20, prompt_repeats=4, experts=64, experts_per_token=8, moe_intermediate=512)
@@ -651,7 +654,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "held-out code prompts (benchmarks/hf_demo.py); --kind and the width options are ignored")
     p.add_argument("--draft", default=None, metavar="PATH",
                    help="with --model: the draft checkpoint (default: the pair's)")
-    p.add_argument("--prompt-files", type=int, default=4,
+    p.add_argument("--prompt-files", type=int, default=2,
                    help="with --model: held-out files to prompt from (a continuation and an edit each)")
     p.add_argument("--prompt-bytes", type=int, default=1024, help="with --model: bytes of each file in its prompts")
     p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
@@ -716,8 +719,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.warmup_tokens is None:
-        args.warmup_tokens = args.new_tokens
+    if args.warmup_tokens is None:  # a trained pair's warm-up only compiles and sizes caches
+        args.warmup_tokens = DEMO_WARMUP_TOKENS if args.model is not None else args.new_tokens
     if args.std is None:
         args.std = 0.2 * math.sqrt(64 / args.hidden)
     if args.value_heads % args.key_heads:
