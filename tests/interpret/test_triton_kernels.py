@@ -529,3 +529,72 @@ def test_closed_form_ring_kernel_matches_cpu_twin_past_four_pending(case):
     for a, b, ref in zip(*plain, (out, *rec)):
         assert same_bits(a, b) and torch.equal(torch.isnan(a), torch.isnan(ref))
         assert rel_err(a[~torch.isnan(ref)], ref[~torch.isnan(ref)]) < 1e-5
+
+
+def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():
+    """The fold with ``PP = 16`` (a runtime loop over blocks of 4 records, the last block masked
+    past the count) at counts 5, 7, 8, 15, 16 (and 1, 4), starts wrapping round the ring, with and
+    without a window. With the pending decays at 0 (every ``exp`` is exactly 1) the stored state
+    is, bit for bit, one FMA chain per element in record order, ``fma(k̂_p, u_p, acc)`` from the
+    checkpoint: ring positions past the count hold NaN / inf and are never read, a masked record
+    adds exactly nothing (an element that is ``-0.0`` through the chain stays ``-0.0``; the
+    interpreter keeps a ``-0.0`` literal's sign where compiled Triton does not, hence the kernel's
+    ``_or_neg_zero``). With random and extreme decays: near the CPU twin, bits equal across tiles."""
+    import numpy as np
+    from triton._C.libtriton import interpreter as _interp
+
+    from ssm_spec.ops.gdn.closed_form import RecordRing, closed_form_cpu, launch_closed_form, pending_block
+
+    HV, H, K, V = 2, 1, 12, 20
+    L, max_window, R = 0, 4, 20  # every row with something pending folds; PP = next_pow2(16)
+    assert pending_block(R, max_window) == 16
+    counts = [5, 7, 8, 15, 16, 1, 4]
+    starts = [17, 0, 15, 9, 4, 19, 18]
+    lengths = [4, 0, 4, 0, 4, 1, 0]
+    S = len(counts)
+    qsl = qsl_from_lengths(lengths, "cpu")
+    T = int(qsl[-1])
+    src, start, count = i32(list(range(S)), "cpu"), i32(starts, "cpu"), i32(counts, "cpu")
+    inp = gdn_inputs(T, H, HV, K, V, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    ring0 = RecordRing(torch.randn(S, R, HV, V, generator=gen), torch.randn(S, R, H, K, generator=gen),
+                       -torch.rand(S, R, HV, generator=gen) * 2)
+    ring0 = RecordRing(ring0.u, ring0.k / ring0.k.norm(dim=-1, keepdim=True), ring0.g)
+    ring0.g[:, ::5] = -50.0
+    ring0.g[:, 1::5] = 0.0
+    pool = random_pool(S, HV, K, V, "cpu")
+    ring0.k[..., 3] = ring0.k[..., 3].abs()  # k̂ row 3 > 0 and u column 5 = -0.0: every term -0.0
+    ring0.u[..., 5] = -0.0
+    pool[:, :, 3, 5] = -0.0
+    pending = torch.zeros(S, R, dtype=torch.bool)
+    for s in range(S):
+        pending[s, [(starts[s] + j) % R for j in range(counts[s])]] = True
+    garbage = torch.where(torch.arange(R) % 2 == 0, NAN, float("inf"))[None].expand(S, R)
+    for x in ring0:  # positions without a pending record: NaN / inf, never read
+        x[~pending] = garbage[~pending].reshape(-1, *[1] * (x.dim() - 2))
+
+    def launch(ring, tile):
+        p, r, out = pool.clone(), RecordRing(*(x.clone() for x in ring)), torch.full((T, HV, V), NAN)
+        launch_closed_form(*inp.args(), p, src, qsl, out, r, max_window, K**-0.5, True, pending=(start, count, L),
+                           config=tile)
+        return p, out, r
+
+    # decays 0: the stored state is the record-order FMA chain, bit for bit
+    flat = RecordRing(ring0.u, ring0.k, torch.where(pending[:, :, None], 0.0, ring0.g))
+    state = launch(flat, (16, 8, 1))[0]
+    for s in range(S):
+        acc = pool[s].numpy().copy()  # [HV, K, V]; exp(G_P) = 1
+        for j in range(counts[s]):
+            pos = (starts[s] + j) % R
+            k_hat = ring0.k[s, pos].repeat_interleave(HV // H, 0).numpy()  # exp(G_P - G_p) = 1
+            acc = _interp.fma_fp32(*np.broadcast_arrays(k_hat[:, :, None], ring0.u[s, pos][:, None, :].numpy(), acc))
+        assert same_bits(state[s], torch.from_numpy(acc)), s
+    assert torch.signbit(state[:, :, 3, 5]).all() and (state[:, :, 3, 5] == 0).all()
+    # random and extreme decays: near the twin, bits equal across tiles
+    runs = [launch(ring0, tile) for tile in ((16, 8, 1), (16, 32, 2))]
+    for a, b in zip(runs[0][:2], runs[1][:2]):
+        assert same_bits(a, b)
+    p, r, out = pool.clone(), RecordRing(*(x.clone() for x in ring0)), torch.full((T, HV, V), NAN)
+    closed_form_cpu(*inp.args(), p, src, qsl, out, r, max_window, K**-0.5, True, pending=(start, count, L))
+    assert rel_err(runs[0][0], p) < 1e-5 and rel_err(runs[0][1], out) < 1e-5
+    assert torch.signbit(runs[0][0][:, :, 3, 5]).all()

@@ -80,6 +80,13 @@ def _at(vec, o_w, t):
 
 
 @triton.jit
+def _cols(m, o_n, idx):
+    """Columns ``idx [M]`` of ``m [P, N]`` as the rows of an ``[M, P]`` block (``o_n =
+    arange(N)``; an index outside gives zeros), exact as :func:`_row`."""
+    return tl.sum(tl.where(o_n[None, None, :] == idx[:, None, None], m[None, :, :], 0.0), axis=2)
+
+
+@triton.jit
 def _squeeze_row(x):
     """``x [1, N] -> [N]``."""
     return tl.reshape(x, (x.shape[1],))
@@ -146,6 +153,41 @@ def chain_rows(acc, x, s):
         return _chain2(acc, x, s)
     else:
         return _chain1(acc, x, s)
+
+
+@triton.jit
+def _or_neg_zero(m, x):
+    """``x`` where ``m``, else ``-0.0``: as the multiplier of a masked record's term it adds
+    exactly nothing (``y + (-0.0) == y`` for every ``y``; a ``+0.0`` term turns a ``-0.0`` into
+    ``+0.0``). Made from its bits: compiled Triton makes a ``-0.0`` literal ``+0.0`` (a zero
+    constant is its null value); the interpreter keeps the sign."""
+    return tl.where(m, x, tl.full(x.shape, -2147483648, tl.int32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _ring_pos(i, R):
+    """``i mod R`` without a division, for ``0 <= i < 2R``: a pending record's ring position
+    from the start (``< R``) plus its index (``< pn <= R``); a larger ``i`` names only masked
+    records, which read nothing. int32, as offsets within one slot's ring (``< 2^31`` elements)."""
+    return tl.where(i >= R, i - R, i)
+
+
+@triton.jit
+def _load_u(ru_row, pos, m_f, o_v, m_v, s_rut, s_ruv):
+    """The ``u`` rows ``[M, BV]`` of a block of ring positions ``pos [M]``; zeros where ``m_f``
+    is false (the position holds no pending record: whatever it holds is never read)."""
+    return tl.load(ru_row + pos[:, None] * s_rut + o_v[None, :] * s_ruv, mask=m_f[:, None] & m_v[None, :], other=0)
+
+
+@triton.jit
+def _fold_block(b_s, rk_row, ru_row, pos, m_f, e_f, rows, m_r, o_v, m_v, s_rkt, s_rkk, s_rut, s_ruv):
+    """``b_s + sum_j e_f[j] k̂_j[rows] u_j^T`` over a block of pending records (ring positions
+    ``pos [M]``), one FMA per record and element in record order (:func:`chain_rows`); the
+    block's ``k̂`` and ``u`` rows are loaded together. A record with ``m_f`` false adds exactly
+    nothing: its loads are zeros and ``e_f`` must be ``-0.0`` there (:func:`_or_neg_zero`), so
+    its term is ``-0.0``."""
+    kpT = tl.load(rk_row + pos[:, None] * s_rkt + rows[None, :] * s_rkk, mask=m_f[:, None] & m_r[None, :], other=0)
+    return chain_rows(b_s, kpT * e_f[:, None], _load_u(ru_row, pos, m_f, o_v, m_v, s_rut, s_ruv))
 
 
 @triton.jit
@@ -246,7 +288,13 @@ def gdn_closed_form_kernel(
                     gc += _at(g_p, o_p, j)
                 Gp = tl.where(o_p >= j, gc, Gp)
             GP = gc  # padding entries add zeros
-            e_p = tl.where(m_p, tl.exp(GP - Gp), 0.0)  # exp(G_P - G_p) <= 1
+            e_p = _or_neg_zero(m_p, tl.exp(GP - Gp))  # exp(G_P - G_p) <= 1; -0.0: _fold_block
+            rk_row = rk_ptr + slot * s_rks + i_h * s_rkh
+            ru_row = ru_ptr + slot * s_rus + i_hv * s_ruh
+            o_4 = tl.arange(0, 4)  # a block of 4 records (the history; the fold beyond PP = 4)
+            if PP > 4:  # the fold's decays by blocks of 4 records, row b: records 4b .. 4b + 3
+                e_b = tl.reshape(e_p, (PP // 4, 4))
+                o_b = tl.arange(0, PP // 4)
             fold = (pn > 0) & (pn + W > L)
             hist = (pn > 0) & (pn + W <= L)
             Dk = tl.zeros([WP, PP], dtype=tl.float32)  # raw window keys . pending k̂
@@ -282,19 +330,15 @@ def gdn_closed_form_kernel(
                     if fold:  # S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T, stored once
                         b_s = b_s * tl.exp(GP)
                         if PP <= 4:  # every record at once: one rank-PP update
-                            kpT = tl.load(rk_ptr + slot * s_rks + pos_p[:, None] * s_rkt + i_h * s_rkh
-                                          + rows[None, :] * s_rkk, mask=m_p[:, None] & m_r[None, :], other=0)
-                            u_p = tl.load(ru_ptr + slot * s_rus + pos_p[:, None] * s_rut + i_hv * s_ruh
-                                          + o_v[None, :] * s_ruv, mask=m_p[:, None] & m_v[None, :], other=0)
-                            b_s = chain_rows(b_s, kpT * e_p[:, None], u_p)
-                        else:  # a runtime loop: one record's registers live at a time
-                            for i_p in range(pn):
-                                pos = (p0 + i_p) % R
-                                b_kp = tl.load(rk_ptr + slot * s_rks + pos * s_rkt + i_h * s_rkh + rows * s_rkk,
-                                               mask=m_r, other=0)
-                                b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv,
-                                               mask=m_v, other=0)
-                                b_s = tl.fma((b_kp * _at(e_p, o_p, i_p))[:, None], b_up[None, :], b_s)
+                            b_s = _fold_block(b_s, rk_row, ru_row, pos_p, m_p, e_p, rows, m_r, o_v, m_v,
+                                              s_rkt, s_rkk, s_rut, s_ruv)
+                        else:  # a runtime loop over blocks of 4 records: one block's registers live
+                            for i0 in range(0, pn, 4):
+                                o_f = i0 + o_4
+                                m_f = o_f < pn
+                                b_s = _fold_block(b_s, rk_row, ru_row, _ring_pos(p0 + o_f, R), m_f,
+                                                  _or_neg_zero(m_f, _row(e_b, o_b, i0 // 4)), rows, m_r, o_v, m_v,
+                                                  s_rkt, s_rkk, s_rut, s_ruv)
                         b_st = b_s.to(state_ptr.dtype.element_ty)
                         tl.store(base + rows[:, None] * s_sk + o_v[None, :] * s_sv, b_st, mask=m_s)
                         b_s = b_st.to(tl.float32)
@@ -320,11 +364,12 @@ def gdn_closed_form_kernel(
                 QS = QS * eGP
                 CK = (Dk * ik[:, None]) * e_p[None, :]
                 CQ = ((Dq * iq[:, None]) * scale) * e_p[None, :]
-                for i_p in range(pn):
-                    pos = (p0 + i_p) % R
-                    b_up = tl.load(ru_ptr + slot * s_rus + pos * s_rut + i_hv * s_ruh + o_v * s_ruv, mask=m_v, other=0)
-                    KS = tl.fma(_col(CK, o_p, i_p)[:, None], b_up[None, :], KS)
-                    QS = tl.fma(_col(CQ, o_p, i_p)[:, None], b_up[None, :], QS)
+                for i0 in range(0, pn, 4):  # blocks of 4 records, rank-1 FMAs in record order
+                    o_f = i0 + o_4
+                    m_f = o_f < pn  # records past pn: a -0.0 term each, exactly nothing (_or_neg_zero)
+                    u_f = _load_u(ru_row, _ring_pos(p0 + o_f, R), m_f, o_v, m_v, s_rut, s_ruv)
+                    KS = chain_rows(KS, _or_neg_zero(m_f[:, None], _cols(CK, o_p, o_f)), u_f)
+                    QS = chain_rows(QS, _or_neg_zero(m_f[:, None], _cols(CQ, o_p, o_f)), u_f)
         # ---- gates: cumulative log decays of the window (a chain in token order, in both
         # orientations), betas
         b_g = tl.load(g_ptr + tok * s_gt + i_hv * s_gh, mask=m_w, other=0).to(tl.float32)
