@@ -12,10 +12,30 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops import NULL_SLOT, RecordRing, ReplayRecord
+from .ops import NULL_SLOT, RecordRing, ReplayRecord, _eager
 from .ops.gdn.closed_form import ring_positions
 
-__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES", "placement_device", "group_layers"]
+__all__ = ["StatePool", "GDNStateSpec", "ConvStateSpec", "NULL_SLOT", "MODES", "placement_device", "group_layers",
+           "needs_launch_guard"]
+
+#: Device types whose ssm_spec kernels (Triton) launch on the *current* device of their type, not
+#: on their tensors' device; a pool over several devices launches a group's ops there under
+#: ``torch.cuda.device(group device)`` (:meth:`StatePool.launch_guard`). PyTorch's own ops take
+#: their device from their tensors and need nothing.
+CURRENT_DEVICE_TYPES = ("cuda",)
+
+
+def needs_launch_guard(devices) -> bool:
+    """Whether a pool on ``devices`` (its :attr:`StatePool.devices`) launches under its groups'
+    devices: when it spans several devices, one of a type in :data:`CURRENT_DEVICE_TYPES`, or
+    when its one device is a GPU other than the current one as it is made (a model placed on
+    ``cuda:1`` alone by a device map, run while ``cuda:0`` is current). A pool on the current
+    GPU, or on the CPU, launches as it is: nothing in the way of its captured or compiled step."""
+    devices = tuple(devices)
+    if len(devices) > 1:
+        return any(d.type in CURRENT_DEVICE_TYPES for d in devices)
+    return devices[0].type == "cuda" and devices[0].index != torch.cuda.current_device()
+
 
 #: The verify modes (docs/design.md section 2.6): ``"exact"`` (the token loop, bit-identical to the
 #: native recurrence; the default) and ``"fast"`` (the closed-form window, within a stated error
@@ -126,7 +146,10 @@ class StatePool:
     state; ``RecoverShortConv``: one conv state); layers with equal shapes on one device share a
     group, one tensor with a leading layer dim on that device (:func:`group_layers`). Every
     launch the pool makes or drives (:func:`ssm_spec.commit`, :meth:`zero_slots`, :meth:`flush`,
-    the snapshot copies, the folded plans' hand-over) runs once per group, on the group's device.
+    the snapshot copies, the folded plans' hand-over) runs once per group, on the group's device;
+    on a pool over several devices (or on a GPU that was not current when the pool was made) the
+    ssm_spec kernels of a CUDA group, and each layer's step, run with the group's device current
+    (:meth:`launch_guard`).
 
     Args:
         layers: modules with a ``state_specs()`` method (the ssm_spec modules), in order.
@@ -139,9 +162,11 @@ class StatePool:
             sequence of one device per layer (a model spread over devices, e.g. by a
             ``device_map``; each layer's states go to the device its forward runs on). The
             bookkeeping a step shares (folded mode's pending counts, snapshot slots) lives on the
-            first layer's device, :attr:`device`: build the step's metadata and the accepted
-            counts there; layers on other devices use copies made once per metadata object
-            (:meth:`~ssm_spec.RecoverSSMMetadata.to`).
+            first layer's device, :attr:`device` (not ``meta``, which holds no values: a
+            ``ValueError``): build the step's metadata and the accepted counts there and pass
+            the same metadata object to every layer; layers on other devices use copies made
+            once per metadata object (:meth:`~ssm_spec.RecoverSSMMetadata.to`). A pool on
+            ``meta`` alone allocates and computes nothing (shapes only).
         snapshot: the native protocol instead of RecoverSSM (the one switch that lets tests
             and benchmarks compare both on one model): verify writes the state after every
             window token into a per-token scratch slot (``num_slots + t``, plus one dummy
@@ -175,13 +200,18 @@ class StatePool:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.
         gdn_groups / conv_groups: ``{(device, spec): (state [NL, S, ...], records)}``, the
             tensors on ``device``.
-        device: the first layer's device (the only one for a pool on one device).
+        device: the first layer's device (the only one for a pool on one device), as
+            :func:`placement_device` names it (``"cuda"`` is ``cuda:<current>``, ``"cpu:0"`` is
+            ``cpu``).
         devices: every device holding a group, in order of first appearance.
+        spread: ``len(devices) > 1``.
+        guarded: whether launches run under :meth:`launch_guard` (:func:`needs_launch_guard`).
 
     Raises:
         ValueError: on a non-positive slot or token count, or an unsupported dtype; a
-            ``device`` sequence that is not one device per layer; the per-layer accessors raise
-            it for a layer the pool does not hold.
+            ``device`` sequence that is not one device per layer, or whose first layer is on
+            ``meta`` while others are not; the per-layer accessors raise it for a layer the pool
+            does not hold.
     """
 
     def __init__(self, layers, num_slots: int, max_tokens: int, *, dtype=torch.float32,
@@ -236,6 +266,16 @@ class StatePool:
         self.device = one
         self.devices = tuple(dict.fromkeys([self.device, *(g.device for g in (*self._gdn.values(),
                                                                               *self._conv.values()))]))
+        #: several devices (the step's tensors are copied to each: :meth:`per_device`)
+        self.spread = len(self.devices) > 1
+        if self.spread and self.device.type == "meta":
+            raise ValueError(f"StatePool: device: the first layer is on meta and others on "
+                             f"{', '.join(str(d) for d in self.devices[1:])}; the first layer's device holds the "
+                             "step's bookkeeping (folded mode's pending counts, the metadata, the accepted counts "
+                             "that commit's validation reads back) and meta holds no values: put a layer on a real "
+                             "device first")
+        #: launches of CUDA groups run under their device (:func:`needs_launch_guard`, :meth:`launch_guard`)
+        self.guarded = needs_launch_guard(self.devices)
         T, dev = self.max_tokens, self.device
         S = self.num_slots + (T + 1 if self.snapshot else 0)  # scratch slots and one dummy
         # per device, made once: the snapshot scratch slot of each token
@@ -263,6 +303,7 @@ class StatePool:
         self.pending_count = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=dev)
         self._pending_host: set[int] | None = set()  # host mirror while commits validate
         self._plan: tuple | None = None  # (metadata, plan on self.device, {other device: copy of the plan})
+        self._plan_layers: set[int] = set()  # the layers that took the current plan (ids)
         self._parity = 0
 
     # ------------------------------------------------------------------ lookup
@@ -328,8 +369,19 @@ class StatePool:
 
     def snapshot_slots(self, num_tokens: int, device=None) -> torch.Tensor:
         """Snapshot mode: ``[num_tokens]`` int32, the scratch slot of each token (a view), on
-        ``device`` (one of :attr:`devices`; default :attr:`device`)."""
-        return self._token_slots[self.device if device is None else device][:num_tokens]
+        ``device`` (one of :attr:`devices`, in any spelling :func:`placement_device` takes;
+        default :attr:`device`).
+
+        Raises:
+            ValueError: a device the pool holds no group on.
+        """
+        slots = self._token_slots.get(self.device if device is None else device)
+        if slots is None:
+            slots = self._token_slots.get(placement_device(device))
+            if slots is None:
+                raise ValueError(f"StatePool.snapshot_slots: device {device!r}; this pool's devices are "
+                                 f"{', '.join(map(str, self.devices))}")
+        return slots[:num_tokens]
 
     @property
     def dummy_slot(self) -> int:
@@ -346,11 +398,35 @@ class StatePool:
         """``{(device, ConvStateSpec): (state [NL, S, Lc, C], records [NL, T, C])}``."""
         return {key: (g.state, g.records) for key, g in self._conv.items()}
 
+    def launch_guard(self, device: torch.device):
+        """What a launch of this pool's ops on ``device`` runs under: on a pool over several
+        devices, or on a GPU that was not the current one when the pool was made
+        (:attr:`guarded`), ``torch.cuda.device(device)`` for a CUDA device, because Triton
+        launches on the current CUDA device and its current stream, not the tensors' (and
+        accelerate's hooks move inputs without changing the current device); a new context
+        manager each call, as they nest (a layer's step may flush the groups under their own
+        devices). ``None`` otherwise: on a pool on the current GPU or the CPU, launches run as
+        they are (no guard, nothing in a captured or compiled step's way), and the CPU's
+        kernels take their device from their tensors."""
+        if not self.guarded or device.type not in CURRENT_DEVICE_TYPES:
+            return None
+        return torch.cuda.device(device)
+
+    def launch(self, device: torch.device, name: str, *args) -> None:
+        """Run ssm_spec op ``name`` on ``args`` (tensors on ``device``) for one of the pool's
+        groups: under :meth:`launch_guard` where it gives one, else as it is."""
+        guard = self.launch_guard(device)
+        if guard is None:
+            return _eager.call(name, *args)
+        with guard:
+            return _eager.call(name, *args)
+
     def per_device(self, *tensors: torch.Tensor) -> dict:
         """``{device: tensors on it}`` for every device of the pool: the tensors themselves on the
         device they are on, one copy for each other device (one launch per group then reads
-        its own device's copy; on a pool on one device the tensors are used as they are)."""
-        if len(self.devices) == 1:
+        its own device's copy; on a pool on one device the tensors are used as they are). A
+        copy to the CPU waits for the GPU, as every device-to-host copy does."""
+        if not self.spread:
             return {self.device: tensors}
         return {d: tuple(t.to(d) for t in tensors) for d in self.devices}
 
@@ -386,11 +462,15 @@ class StatePool:
         if parity != self._parity:
             self.swap_records()
 
-    def fold_plan(self, metadata, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def fold_plan(self, metadata, device=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's
         verify rows (0 for padding and prefill rows), computed on :attr:`device` once per step
         (the layers call it before they write anything) and returned on ``device`` (default
         :attr:`device`; a layer on another device gets a copy, made once per step and device).
+
+        The step is recognised by its metadata object: every layer of a step must pass the same
+        one (``layer``: the calling layer, so that a second metadata object within one step,
+        such as a per-device copy, is refused instead of redoing the plan from cleared counts).
 
         Taking the plan hands the verified rows' pending windows to this step: their counts are
         cleared at once, so a :meth:`flush` before the step's commit cannot commit them twice.
@@ -400,10 +480,13 @@ class StatePool:
         Raises:
             ValueError: a prefill row continuing from a slot with a pending window (flush it
                 first); detected while the host mirror is known, i.e. while commits validate.
-                Raised before anything is written.
+                A ``layer`` that has not taken this step's plan passing another metadata object
+                (:meth:`_check_step`). Raised before anything is written.
         """
-        if self._plan is not None and self._plan[0] is metadata:
-            return self._plan_on(device)
+        if self._plan is not None:
+            if self._plan[0] is metadata:
+                return self._plan_on(device, layer)
+            self._check_step(layer)
         if self._pending_host:
             for row in metadata.prefill_rows:
                 if row.src >= 0 and row.src in self._pending_host:
@@ -412,15 +495,32 @@ class StatePool:
                                      f"(pool.flush([{row.src}]))")
         idx = self._release_fresh(metadata)
         if not metadata.has_verify:
-            return self._plan_on(device)
+            return self._plan_on(device, layer)
         plan = (self.pending_start[idx], self.pending_count[idx])  # gathered copies
         self.pending_count.index_fill_(0, idx, 0)  # handed to this step's verify
-        self._plan = (metadata, plan, {})
-        return self._plan_on(device)
+        self._set_plan(metadata, plan)
+        return self._plan_on(device, layer)
 
-    def _plan_on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The current step's plan on ``device``: the plan itself on :attr:`device`, else a copy
-        made at the first call for that device."""
+    def _set_plan(self, metadata, plan) -> None:
+        self._plan = (metadata, plan, {})
+        self._plan_layers = set()
+
+    def _check_step(self, layer) -> None:
+        """A plan is asked for with another metadata object than the current plan's: a new step,
+        unless ``layer`` has not taken the current plan yet (then it is the same step, and a
+        second plan would start from the counts the first one cleared: the pending windows
+        would be lost). Host-side only (a set lookup); ``layer=None`` checks nothing."""
+        if layer is not None and id(layer) not in self._plan_layers:
+            raise ValueError(f"StatePool: {type(layer).__name__} got another metadata object than the layers before "
+                             "it in this step (a folded pool recognises a step by its metadata object): pass the "
+                             "same RecoverSSMMetadata, built on pool.device, to every layer of a step (layers on "
+                             "other devices copy it themselves)")
+
+    def _plan_on(self, device, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current step's plan on ``device`` (``layer`` takes it): the plan itself on
+        :attr:`device`, else a copy made at the first call for that device."""
+        if layer is not None:
+            self._plan_layers.add(id(layer))
         _, plan, copies = self._plan
         if device is None or device == self.device:
             return plan
@@ -429,7 +529,7 @@ class StatePool:
             got = copies[device] = tuple(t.to(device) for t in plan)
         return got
 
-    def lazy_plan(self, metadata, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lazy_plan(self, metadata, device=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Fast folded mode: ``(pending_start [B], pending_count [B])`` int32 of the step's verify
         rows (0 for padding and prefill rows), for the layers' ``gdn_closed_form_folded_verify``;
         computed on :attr:`device` once per step (the first layer calls it, before anything is
@@ -441,12 +541,16 @@ class StatePool:
 
         A prefill row continuing from a slot flushes that slot first (the prefill reads its
         state); a fresh request's slot drops whatever a finished request left pending there.
+        Every layer of a step passes the same metadata object, as for :meth:`fold_plan`.
 
         Raises:
-            ValueError: a verify window longer than the pool's ``max_window``.
+            ValueError: a verify window longer than the pool's ``max_window``; a ``layer`` that
+                has not taken this step's plan passing another metadata object.
         """
-        if self._plan is not None and self._plan[0] is metadata:
-            return self._plan_on(device)
+        if self._plan is not None:
+            if self._plan[0] is metadata:
+                return self._plan_on(device, layer)
+            self._check_step(layer)
         if metadata.max_window > self.max_window:
             raise ValueError(f"StatePool: a verify window of {metadata.max_window} tokens; this fast folded pool's "
                              f"rings hold windows up to max_window={self.max_window}")
@@ -455,7 +559,7 @@ class StatePool:
             self.flush(cont)
         idx = self._release_fresh(metadata)
         if not metadata.has_verify:
-            return self._plan_on(device)
+            return self._plan_on(device, layer)
         start, count = self.pending_start[idx], self.pending_count[idx]  # gathered copies
         qsl = metadata.to(self.device).verify_query_start_loc
         W = (qsl[1:] - qsl[:-1]).to(torch.int32)
@@ -464,8 +568,8 @@ class StatePool:
         self.pending_count.index_copy_(0, idx, torch.where(fold, torch.zeros_like(count), count))
         self.pending_start[self.num_slots:].zero_()  # the sink holds nothing
         self.pending_count[self.num_slots:].zero_()
-        self._plan = (metadata, (start, count), {})
-        return self._plan_on(device)
+        self._set_plan(metadata, (start, count))
+        return self._plan_on(device, layer)
 
     def note_accepted(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
         """Fast folded mode (called by :func:`ssm_spec.commit`): each verify row's accepted
@@ -488,7 +592,7 @@ class StatePool:
         idx = self._sink(metadata.verify_indices)
         if not metadata.has_verify:
             zeros = torch.zeros_like(idx, dtype=torch.int32)
-            self._plan = (metadata, (zeros, zeros.clone()), {})
+            self._set_plan(metadata, (zeros, zeros.clone()))
         return idx
 
     def _sink(self, slots: torch.Tensor) -> torch.Tensor:
@@ -543,8 +647,6 @@ class StatePool:
         Raises:
             ValueError: not a folded pool, or a slot out of range.
         """
-        from .ops import _eager
-
         if not self.folded:
             raise ValueError("StatePool.flush: only a folded pool (StatePool(folded=True)) has pending windows")
         if slots is None:
@@ -565,8 +667,8 @@ class StatePool:
                 empty = torch.empty(0, device=dev)
                 q, v, gb = empty.reshape(0, H, K), empty.reshape(0, HV, V), empty.reshape(0, HV)
                 for layer in range(len(g.members)):
-                    _eager.call("gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], d_slots, d_qsl, v,
-                                *(r[layer] for r in g.ring), d_start, d_count, 0, 0, K ** -0.5, True)
+                    self.launch(dev, "gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], d_slots,
+                                d_qsl, v, *(r[layer] for r in g.ring), d_start, d_count, 0, 0, K ** -0.5, True)
             self.pending_start.index_copy_(0, idx, (start + count) % self.ring_positions)
             self.pending_count.index_fill_(0, idx, 0)
             return
@@ -578,9 +680,9 @@ class StatePool:
             v = empty.reshape(0, HV, V)
             for layer in range(len(g.members)):
                 prev = [r[layer] for r in g.prev_records]
-                _eager.call("gdn_folded_verify", q, q, v, empty.reshape(0, HV), empty.reshape(0, HV), g.state[layer],
-                            d_slots, d_qsl, v, v.clone(), q.clone(), empty.reshape(0, HV), *prev, d_start, d_count,
-                            K ** -0.5, True)
+                self.launch(dev, "gdn_folded_verify", q, q, v, empty.reshape(0, HV), empty.reshape(0, HV),
+                            g.state[layer], d_slots, d_qsl, v, v.clone(), q.clone(), empty.reshape(0, HV), *prev,
+                            d_start, d_count, K ** -0.5, True)
         self.pending_count.index_fill_(0, idx, 0)
         if self._pending_host is not None:
             self._pending_host -= set(slots.tolist())

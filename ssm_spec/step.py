@@ -2,8 +2,12 @@
 (a group: the layers of one state shape on one device).
 
 The plan (source, destination and boundary slots per row) is computed on the device from the
-step's metadata and the accepted counts, so no host sync sits between sampling and commit
-(docs/design.md section 5.5).
+step's metadata and the accepted counts, so, with validation off (``validate=False``, as in
+captured and compiled steps), no host sync sits between sampling and commit on a pool on one
+device or spread over GPUs only (docs/design.md section 5.5). A pool with groups on a GPU and on
+the CPU copies the plan to the CPU for the CPU's groups: that device-to-host copy waits for the
+GPU's sampling, as every such copy does (section 5.9). Validation (the eager default) reads the
+counts back on the host.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .metadata import RecoverSSMMetadata
-from .ops import NULL_SLOT, _eager
+from .ops import NULL_SLOT
 from .ops._validate import count_values, should_validate, window_bounds
 from .pools import StatePool
 
@@ -120,8 +124,8 @@ def commit(pool: StatePool, metadata: RecoverSSMMetadata, num_accepted_tokens: t
         pool.note_pending(metadata, n, host_counts)
     # the plan on each group's device: the tensors themselves on a pool on one device
     on = pool.per_device(qsl, src, n, dst, bidx, boff)
-    if not pool.folded:
+    if not pool.folded:  # each launch on its group's device (pool.launch: as it is on a pool on one device)
         for (device, _), (state, records) in pool.gdn_groups.items():
-            _eager.call("gdn_commit", state, *(r[:, :T] for r in records), *on[device])
+            pool.launch(device, "gdn_commit", state, *(r[:, :T] for r in records), *on[device])
     for (device, _), (state, rec_x) in pool.conv_groups.items():
-        _eager.call("short_conv_commit", state, rec_x[:, :T], *on[device])
+        pool.launch(device, "short_conv_commit", state, rec_x[:, :T], *on[device])

@@ -6,18 +6,22 @@ runs every launch once per group on the group's device; a Hugging Face model pla
 On the CPU a pool spread over the CPU and the ``meta`` device stands in for two devices: every
 op call is checked to get tensors of one device only (a plan or slot tensor left on the wrong
 device fails the test), the meta half computes nothing, and the CPU half must equal, bit for
-bit, a pool on the CPU alone. The GPU tests (marked ``gpu``) run the same comparison with
-``cuda`` as the second device, on both halves, and split a tiny model over ``cuda:0`` and the
-CPU.
+bit, a pool on the CPU alone. Which device each launch runs under (Triton launches on the
+current CUDA device) is checked on the CPU with ``torch.cuda.device`` replaced by a recorder.
+The GPU tests (marked ``gpu``) run the same comparison with ``cuda`` as the second device, on
+both halves, and split a tiny model over ``cuda:0`` and the CPU; where two GPUs are present,
+over ``cuda:1`` (first, while ``cuda:0`` is current) and ``cuda:0``, every launch checked to run
+with its tensors' device current.
 """
 
+import contextlib
 import functools
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
+from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit, pools
 from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
 from ssm_spec.hf.placement import execution_device, layer_devices, placement_problem
 from ssm_spec.hf.rollback import RollbackPool
@@ -28,6 +32,7 @@ from tests.helpers import i32, randomize_
 
 HAS_CUDA = torch.cuda.is_available()
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 CPU, META = torch.device("cpu"), torch.device("meta")
 TOK = ByteTokenizer()
 PROMPT = "the cat sat on the mat. the cat sat on the"
@@ -138,32 +143,39 @@ def test_two_shapes_make_two_groups_and_commit_equals_the_per_layer_reference(de
 @pytest.fixture
 def one_device_per_call(monkeypatch):
     """Every op call must get tensors of a single device (a plan or slot tensor on another
-    device than its group's fails here, whatever the op's own checks); calls on ``meta``
-    compute nothing. Yields the list of ``(op, device)`` calls."""
+    device than its group's fails here, whatever the op's own checks) and, on CUDA, run with
+    that device current (Triton launches on the current device); calls on ``meta`` compute
+    nothing. Yields the list of ``(op, device)`` calls."""
     real = _eager.call
     calls = []
 
     def checked(name, *args):
         devices = {a.device for a in args if isinstance(a, torch.Tensor)}
         assert len(devices) == 1, f"{name} got tensors on {devices}"
-        calls.append((name, args[0].device))
-        return None if args[0].device.type == "meta" else real(name, *args)
+        device = args[0].device
+        if device.type == "cuda":
+            assert torch.cuda.current_device() == device.index, f"{name} on {device} launched with " \
+                                                                 f"cuda:{torch.cuda.current_device()} current"
+        calls.append((name, device))
+        return None if device.type == "meta" else real(name, *args)
 
     monkeypatch.setattr(_eager, "call", checked)
     return calls
 
 
-OTHER = [pytest.param("meta", id="cpu+meta"), pytest.param("cuda", id="cpu+cuda", marks=GPU)]
+OTHER = [pytest.param("meta", "cpu", id="cpu+meta"), pytest.param("cuda", "cpu", id="cpu+cuda", marks=GPU),
+         pytest.param("cuda:1", "cuda:0", id="cuda0+cuda1", marks=TWO_GPUS)]
 POOL_MODES = {"exact": {}, "snapshot": dict(snapshot=True), "folded": dict(folded=True), "fast": dict(mode="fast"),
               "lazy": dict(mode="fast", folded=True, max_pending=3)}
 W = 4
 
 
-def _placed(other, first):
-    """Two copies of the stack, one on the CPU and one on ``other``, interleaved; ``first``:
-    which device holds the first layer (and so the pool's bookkeeping and metadata)."""
-    cpu_layers, other_layers = _two_shapes(0), [m.to(other) for m in _two_shapes(1)]
-    pairs = zip(cpu_layers, other_layers) if first == "cpu" else zip(other_layers, cpu_layers)
+def _placed(other, first, base="cpu"):
+    """Two copies of the stack, one on ``base`` and one on ``other``, interleaved; ``first``:
+    which device holds the first layer (and so the pool's bookkeeping and metadata), ``base``
+    or ``"other"``."""
+    cpu_layers, other_layers = [m.to(base) for m in _two_shapes(0)], [m.to(other) for m in _two_shapes(1)]
+    pairs = zip(cpu_layers, other_layers) if first == base else zip(other_layers, cpu_layers)
     layers = [m for pair in pairs for m in pair]
     return layers, [next(m.parameters()).device for m in layers]
 
@@ -207,11 +219,18 @@ def _drive(layers, devices, pool, main, calls=None):
     return outs
 
 
+def _current(device):
+    """``device`` made current for a pool on it alone (a pool on one device launches on the
+    current CUDA device, as any Triton code does); nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _compare_half(layers, devices, half, mixed, mixed_outs, pool_kwargs):
     """The layers on ``half``, run alone on a pool on ``half``, give the mixed pool's bits."""
     mine = [(m, d) for m, d in zip(layers, devices) if d == half]
     alone = StatePool([m for m, _ in mine], num_slots=4, max_tokens=16, device=half, **pool_kwargs)
-    outs = _drive([m for m, _ in mine], [half] * len(mine), alone, half)
+    with _current(half):
+        outs = _drive([m for m, _ in mine], [half] * len(mine), alone, half)
     for m, _ in mine:
         for a, b in zip(mixed_outs[id(m)], outs[id(m)]):
             assert torch.equal(a, b)
@@ -221,36 +240,40 @@ def _compare_half(layers, devices, half, mixed, mixed_outs, pool_kwargs):
 
 
 @pytest.mark.parametrize("mode", list(POOL_MODES))
-@pytest.mark.parametrize("other,first", [
-    pytest.param("meta", "cpu", id="cpu+meta"),  # meta cannot come first: commit's validation reads the counts
-    pytest.param("cuda", "cpu", id="cpu+cuda", marks=GPU),
-    pytest.param("cuda", "other", id="cuda+cpu", marks=GPU),
+@pytest.mark.parametrize("other,first,base", [
+    pytest.param("meta", "cpu", "cpu", id="cpu+meta"),  # meta cannot come first (a ValueError: see below)
+    pytest.param("cuda", "cpu", "cpu", id="cpu+cuda", marks=GPU),
+    pytest.param("cuda", "other", "cpu", id="cuda+cpu", marks=GPU),
+    # the first layer (bookkeeping, metadata) on cuda:1 while cuda:0 is current
+    pytest.param("cuda:1", "other", "cuda:0", id="cuda1+cuda0", marks=TWO_GPUS),
 ])
-def test_pool_over_two_devices_equals_a_pool_per_device(one_device_per_call, other, first, mode):
+def test_pool_over_two_devices_equals_a_pool_per_device(one_device_per_call, other, first, base, mode):
     """A stack spread over two devices, every pool mode (exact, snapshot, folded, fast, fast
     folded with the lazy commit): groups by (device, shape), each state on its layer's device,
-    every commit launch once per group on its device, and each half's outputs and states equal,
-    bit for bit, the same layers run on a pool of their own device. Metadata and accepted counts
-    come from the first layer's device; the others read copies."""
-    layers, devices = _placed(other, first)
+    every commit launch once per group on its device (on CUDA with that device current), and
+    each half's outputs and states equal, bit for bit, the same layers run on a pool of their
+    own device. Metadata and accepted counts come from the first layer's device; the others
+    read copies."""
+    layers, devices = _placed(other, first, base)
     pool = StatePool(layers, num_slots=4, max_tokens=16, device=devices, **POOL_MODES[mode])
     main = devices[0]
-    assert pool.device == main and set(pool.devices) == {CPU, placement_device(other)}
+    both = {placement_device(base), placement_device(other)}
+    assert pool.device == main and set(pool.devices) == both and pool.spread
     assert len(pool.gdn_groups) == 4 and len(pool.conv_groups) == 6  # two GDN shapes, three conv shapes, per device
     for m, d in zip(layers, devices):
         assert pool.conv_state(m).device == d and pool.device_of(m) == d
     outs = _drive(layers, devices, pool, main, one_device_per_call)
-    assert {d for _, d in one_device_per_call} == {CPU, placement_device(other)}
-    for half in {CPU, placement_device(other)} - {META}:
+    assert {d for _, d in one_device_per_call} == both
+    for half in both - {META}:
         _compare_half(layers, devices, half, pool, outs, POOL_MODES[mode])
 
 
-@pytest.mark.parametrize("other", OTHER)
-def test_rollback_pool_over_two_devices(one_device_per_call, other):
+@pytest.mark.parametrize("other,base", OTHER)
+def test_rollback_pool_over_two_devices(one_device_per_call, other, base):
     """The Hugging Face path's pool (checkpoint and scratch slots, pending records, crops,
     row reordering) on two devices: each half equals a rollback pool of its own device; hidden
     states on another device than the layer's states are refused."""
-    layers, devices = _placed(other, "cpu")
+    layers, devices = _placed(other, base, base)
     gen = torch.Generator().manual_seed(3)
     plan = [(7, None), (4, 2), (1, 0), (3, 3), (5, 1)]  # (tokens of a forward, crop after it)
     inputs = [torch.randn(2, L, 16, generator=gen) for L, _ in plan]
@@ -269,10 +292,12 @@ def test_rollback_pool_over_two_devices(one_device_per_call, other):
         return rb, outs
 
     rb, outs = run(layers, devices)
-    assert set(rb.pool.devices) == {CPU, placement_device(other)}
-    for half in {CPU, placement_device(other)} - {META}:
+    both = {placement_device(base), placement_device(other)}
+    assert set(rb.pool.devices) == both
+    for half in both - {META}:
         mine = [m for m, d in zip(layers, devices) if d == half]
-        alone, alone_outs = run(mine, [half] * len(mine))
+        with _current(half):
+            alone, alone_outs = run(mine, [half] * len(mine))
         for m in mine:
             assert all(torch.equal(a, b) for a, b in zip(outs[id(m)], alone_outs[id(m)]))
             assert torch.equal(rb.pool.conv_state(m), alone.pool.conv_state(m))
@@ -315,6 +340,221 @@ def test_static_attention_layer_takes_write_positions_from_another_device():
     assert keys.device == META and keys.shape == (1, 2, 8, 4)
 
 
+# ----------------------------------------------------------------------------- the device each launch runs under
+
+
+@pytest.fixture
+def recorded_guards(monkeypatch):
+    """``torch.cuda.device`` replaced by a recorder and the CPU and ``meta`` taken for devices
+    whose kernels launch on the current device, as CUDA's Triton kernels do: a pool over the CPU
+    and ``meta`` then guards its launches as a pool over two GPUs does, with no GPU. Yields
+    ``(calls, guards)``: ``(op, its tensors' device, the device current at the call)`` per op
+    call, and the device of every guard entered."""
+    current, guards, calls = [], [], []
+
+    class Recorder:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            current.append(self.device)
+            guards.append(self.device)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    real = _eager.call
+
+    def recorded(name, *args):
+        calls.append((name, args[0].device, current[-1] if current else None))
+        return None if args[0].device.type == "meta" else real(name, *args)
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    monkeypatch.setattr(pools, "CURRENT_DEVICE_TYPES", ("cpu", "meta"))
+    monkeypatch.setattr(_eager, "call", recorded)
+    return calls, guards
+
+
+def _rollback_steps(layers, devices):
+    """Forwards, crops and a reorder on a rollback pool of ``layers`` (every commit path of the
+    Hugging Face cache: retiring pending tokens, bringing the scratch slots up to date, crops)."""
+    gen = torch.Generator().manual_seed(3)
+    rb = RollbackPool(layers, batch_size=2, max_pending=5, device=devices)
+    with torch.no_grad():
+        for L, crop in [(7, None), (4, 2), (1, 0), (3, 3), (5, 1)]:
+            rb.begin_forward(L)
+            x = torch.randn(2, L, 16, generator=gen)
+            for m, d in zip(layers, devices):
+                rb.run(m, x.to(d))
+            if crop is not None:
+                rb.crop(crop)
+    rb.reorder(torch.tensor([1, 0]))
+    return rb
+
+
+@pytest.mark.parametrize("mode", [*POOL_MODES, "rollback"])
+def test_every_launch_of_a_pool_over_two_devices_runs_under_its_device(recorded_guards, mode):
+    """Triton launches on the current CUDA device, and accelerate's hooks never change it: on a
+    pool over several devices every op call (each layer's verify, conv and prefill ops; commit's
+    launches per group; a folded pool's flush, also the one a lazy plan runs inside a layer's
+    step; the rollback pool's commits) runs with its own tensors' device current."""
+    calls, guards = recorded_guards
+    layers, devices = _placed("meta", "cpu")
+    if mode == "rollback":
+        assert _rollback_steps(layers, devices).pool.guarded
+    else:
+        pool = StatePool(layers, num_slots=4, max_tokens=16, device=devices, **POOL_MODES[mode])
+        assert pool.guarded
+        _drive(layers, devices, pool, CPU)
+        if mode == "lazy":  # a prefill continuing a slot with pending tokens: the first layer's plan flushes it
+            x = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+            with torch.no_grad():
+                md = _build([2], [False], [1], [1])
+                for m, d in zip(layers, devices):
+                    m(x[:2].to(d), md, pool)
+                commit(pool, md, i32([2], CPU))
+                before = len(calls)
+                md = _build([3], [True], [3], [1])
+                for m, d in zip(layers, devices):
+                    m(x.to(d), md, pool)
+            flushed = [(d, cur) for name, d, cur in calls[before:] if name == "gdn_closed_form_folded_verify"]
+            assert {d for d, _ in flushed} == {CPU, META}  # inside the CPU layer's step, the meta groups too
+    assert calls and {d for _, d, _ in calls} == {CPU, META}
+    wrong = [(name, str(d), str(cur)) for name, d, cur in calls if cur != d]
+    assert not wrong, f"launched with another device current: {wrong[:5]}"
+    commits = {"gdn_commit", "short_conv_commit", "gdn_folded_verify", "gdn_closed_form_folded_verify"}
+    assert commits & {name for name, _, _ in calls}  # the pool's own launches were among them
+
+
+@pytest.mark.parametrize("mode", [*POOL_MODES, "rollback"])
+def test_a_pool_on_one_device_launches_without_a_guard(recorded_guards, mode):
+    """The single-device path stays as it was: no guard entered, for the layers or the pool."""
+    calls, guards = recorded_guards
+    layers = _two_shapes(0)
+    if mode == "rollback":
+        assert not _rollback_steps(layers, [CPU] * len(layers)).pool.guarded
+    else:
+        pool = StatePool(layers, num_slots=4, max_tokens=16, **POOL_MODES[mode])
+        assert not pool.guarded and not pool.spread
+        _drive(layers, [CPU] * len(layers), pool, CPU)
+    assert calls and not guards
+
+
+def test_needs_launch_guard(monkeypatch):
+    """Several devices, one of them CUDA: guarded; one GPU other than the current one as the
+    pool is made (a model placed on cuda:1 alone, run while cuda:0 is current): guarded; the
+    current GPU or the CPU alone: launched as they are (no CUDA call for the CPU)."""
+    cpu, cuda0, cuda1 = CPU, torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert pools.needs_launch_guard([cuda0, cuda1]) and pools.needs_launch_guard([cpu, cuda0])
+    assert pools.needs_launch_guard([cuda1]) and not pools.needs_launch_guard([cuda0])
+    assert not pools.needs_launch_guard([cpu, META])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("asked for the current CUDA device"))
+    assert not pools.needs_launch_guard([cpu]) and not pools.needs_launch_guard([META])
+
+
+# ----------------------------------------------------------------------------- one metadata object per step
+
+
+def _build(lens, prefill, done, slots, device=None):
+    return RecoverSSMMetadata.build(lens, prefill, done, slots, num_slots=4, device=device)
+
+
+@pytest.mark.parametrize("mode", ["folded", "lazy"])
+def test_folded_pool_refuses_a_second_metadata_object_in_one_step(mode):
+    """A folded pool recognises a step by its metadata object (the first layer takes the plan
+    and clears the counts it hands over): a later layer of the same step given another object,
+    e.g. a per-device copy made by the caller, is refused before anything is written, instead
+    of redoing the plan from cleared counts and losing the pending windows. A step whose
+    forward ran without a commit is not a second object: the next step's metadata is taken."""
+    import dataclasses
+
+    layers = _two_shapes(0)
+    gdn = [m for m in layers if isinstance(m, RecoverGatedDeltaNet)]
+    pool = StatePool(layers, num_slots=4, max_tokens=16, **POOL_MODES[mode])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        md = _build([5], [True], [0], [1])
+        x = torch.randn(5, 16, generator=gen)
+        for m in layers:
+            m(x, md, pool)
+        md = _build([3], [False], [5], [1])
+        x = torch.randn(3, 16, generator=gen)
+        for m in layers:
+            m(x, md, pool)
+        commit(pool, md, i32([2], CPU))  # slot 1 now has a pending window
+        md = _build([3], [False], [7], [1])
+        layers[0](x, md, pool)
+        before = [pool.gdn_state(m).clone() for m in gdn] + [pool.pending_count.clone(), pool.pending_start.clone()]
+        with pytest.raises(ValueError, match="another metadata object"):
+            layers[2](x, dataclasses.replace(md), pool)
+        after = [pool.gdn_state(m) for m in gdn] + [pool.pending_count, pool.pending_start]
+        assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing written
+        for m in layers[1:]:  # the same object: the step goes on
+            m(x, md, pool)
+        commit(pool, md, i32([1], CPU))
+        md = _build([2], [False], [8], [1])
+        for m in layers:
+            m(x[:2], md, pool)  # no commit after this step (dropped)
+        md = _build([2], [False], [8], [1])
+        for m in layers:
+            m(x[:2], md, pool)  # a new step, taken
+        commit(pool, md, i32([2], CPU))
+
+
+@pytest.mark.parametrize("mode", ["folded", "lazy"])
+def test_plan_and_metadata_copies_are_made_per_step(one_device_per_call, mode):
+    """The copies a layer on another device reads are made once per step: every layer on
+    ``meta`` gets the same copy of the step's plan and metadata; the next step (a new metadata
+    object) gets new copies, never the last step's; ``per_device`` copies each call. The copies
+    keep the originals' shapes and dtypes (their values are checked on the GPU, cpu+cuda)."""
+    layers, devices = _placed("meta", "cpu")
+    pool = StatePool(layers, num_slots=4, max_tokens=16, device=devices, **POOL_MODES[mode])
+    take = pool.lazy_plan if mode == "lazy" else pool.fold_plan
+    on_meta = [m for m, d in zip(layers, devices) if d == META and isinstance(m, RecoverGatedDeltaNet)]
+    seen = []
+    for step in range(2):
+        md = _build([3, 2], [False, False], [4 + step, 6 + step], [1, 3])
+        plan = take(md, None, layers[0])  # the first layer: the plan itself, on pool.device
+        copy = take(md, META, on_meta[0])
+        assert take(md, META, on_meta[1]) is copy and take(md, CPU, layers[2]) is plan
+        assert [(t.device, t.shape, t.dtype) for t in copy] == [(META, t.shape, t.dtype) for t in plan]
+        assert md.to(META) is md.to(META) and md.to(META).verify_indices.shape == md.verify_indices.shape
+        seen.append((md, copy))
+        commit(pool, md, i32([1, 2], CPU))
+    (md1, copy1), (md2, copy2) = seen
+    assert copy2 is not copy1 and all(a is not b for a, b in zip(copy2, copy1))
+    assert md2.to(META) is not md1.to(META)
+    t = i32([1, 2], CPU)
+    first, second = pool.per_device(t), pool.per_device(t)
+    assert first[CPU][0] is t and first[META][0].device == META and first[META][0] is not second[META][0]
+
+
+# ----------------------------------------------------------------------------- pool devices, spelled any way
+
+
+def test_snapshot_slots_take_any_spelling_of_a_pool_device():
+    layers, devices = _placed("meta", "cpu")
+    pool = StatePool(layers, num_slots=4, max_tokens=16, device=devices, snapshot=True)
+    ref = pool.snapshot_slots(3)
+    for spelling in ("cpu", "cpu:0", torch.device("cpu", 0), CPU):
+        assert torch.equal(pool.snapshot_slots(3, spelling), ref)
+    assert pool.snapshot_slots(3, "meta").device == META
+    with pytest.raises(ValueError, match="this pool's devices are cpu, meta"):
+        pool.snapshot_slots(3, "cuda:1")
+
+
+def test_meta_cannot_hold_the_bookkeeping_of_a_pool_over_devices():
+    """The first layer's device holds a step's bookkeeping and metadata: ``meta`` there is
+    refused when the pool is made, with the reason (not later, at a host read of the counts).
+    A pool on ``meta`` alone is allowed (shapes only)."""
+    layers, devices = _placed("meta", "other")
+    with pytest.raises(ValueError, match="first layer is on meta"):
+        StatePool(layers, num_slots=4, max_tokens=16, device=devices)
+    pool = StatePool(_two_shapes(0), num_slots=4, max_tokens=16, device="meta")
+    assert pool.devices == (META,) and not pool.spread
+
+
 # ----------------------------------------------------------------------------- where layers run
 
 
@@ -326,7 +566,8 @@ def _hooked(module, **hook):
 def test_execution_device_and_layer_devices():
     """A layer runs on its accelerate hook's execution device (a SequentialHook's first that
     names one), else where its weights are; offloaded weights (meta) say nothing. The pool
-    takes one device unless the layers name several."""
+    gets one device per layer, always a list: the device each names, the hidden states' for a
+    layer that names none; layers that all name one device get it, not the hidden states'."""
     plain = torch.nn.Linear(2, 2)
     assert execution_device(plain) == CPU
     assert execution_device(_hooked(torch.nn.Linear(2, 2), execution_device=1)) == torch.device("cuda", 1)
@@ -336,9 +577,13 @@ def test_execution_device_and_layer_devices():
     assert execution_device(offloaded) is None
     assert execution_device(_hooked(offloaded, execution_device="cpu", offload=True)) == CPU
     gpu = _hooked(torch.nn.Linear(2, 2), execution_device=torch.device("cuda", 0))
-    assert layer_devices([plain, torch.nn.Linear(2, 2)], "cuda:3") == "cuda:3"  # one device: the hidden states'
-    assert layer_devices([plain, torch.nn.Linear(2, 2, device="meta"), gpu], META) == [CPU, META,
-                                                                                       torch.device("cuda", 0)]
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert layer_devices([plain, torch.nn.Linear(2, 2)], "cuda:3") == [CPU, CPU]  # where they run, not the inputs
+    # every GDN layer on cuda:1, the inputs (the main device) on cuda:0: the states go to cuda:1
+    on1 = [_hooked(torch.nn.Linear(2, 2), execution_device=1) for _ in range(2)]
+    assert layer_devices(on1, cuda0) == [cuda1, cuda1]
+    assert layer_devices([plain, torch.nn.Linear(2, 2, device="meta"), gpu], META) == [CPU, META, cuda0]
+    assert layer_devices([torch.nn.Linear(2, 2, device="meta")], "cpu:0") == [CPU]  # names none: the fallback's
 
 
 def test_placement_problem_names_devices_and_offloading():
@@ -472,6 +717,77 @@ def test_convert_then_dispatch_with_disk_offload(tmp_path):
     assert torch.equal(out, plain)
 
 
+def test_carried_hook_is_a_copy_that_keeps_the_original_devices():
+    """``carry_hook`` attaches a copy (of each member of a ``SequentialHook``): attaching runs
+    ``init_hook``, which records the module's weight devices, and the converted layer's weights
+    are offloaded (meta) already. The copy keeps the old layer's record, so removing the hooks
+    brings the weights back to the CPU with their values; the old hook is left as it was."""
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module, \
+        remove_hook_from_module
+
+    from ssm_spec.hf.placement import carry_hook
+
+    for sequential in (False, True):
+        old = torch.nn.Linear(3, 2)
+        want = {name: p.detach().clone() for name, p in old.named_parameters()}
+        add_hook_to_module(old, AlignDevicesHook(execution_device="cpu", offload=True))
+        if sequential:
+            add_hook_to_module(old, ModelHook(), append=True)
+        assert old.weight.device == META
+        new = torch.nn.Linear(3, 2, device="meta")  # the converted layer: the same names, offloaded
+        carry_hook(old, new)
+        assert new._hf_hook is not old._hf_hook and isinstance(new._hf_hook, SequentialHook) == sequential
+        members = lambda m: getattr(m._hf_hook, "hooks", (m._hf_hook,))  # noqa: E731
+        assert all(a is not b for a, b in zip(members(old), members(new)))
+        assert members(old)[0].original_devices == {"weight": CPU, "bias": CPU}  # untouched
+        assert members(new)[0].original_devices == {"weight": CPU, "bias": CPU}
+        assert new(torch.ones(1, 3)).shape == (1, 2)  # loads and offloads as old's hook did
+        assert new.weight.device == META
+        remove_hook_from_module(new)
+        assert all(torch.equal(p, want[name]) for name, p in new.named_parameters())
+
+
+def test_removing_the_hooks_of_a_converted_offloaded_model_restores_its_weights(tmp_path):
+    """``remove_hook_from_module(model, recurse=True)`` after disk offloading and conversion
+    brings every weight back, ``A_log`` and ``dt_bias`` of the converted layers included, and
+    the model (without hooks) still generates plain greedy's tokens."""
+    pytest.importorskip("accelerate")
+    from accelerate.hooks import remove_hook_from_module
+
+    ids = _ids()
+    plain = _greedy(tiny_model("qwen3_next", seed=0), ids, 32)
+    model = _dispatch(tiny_model("qwen3_next", seed=0), _device_map(["cpu", "disk", "cpu", "disk"], "cpu"),
+                      offload_dir=str(tmp_path))
+    apply_recoverssm(model)
+    layer = model.model.layers[1].linear_attn
+    assert layer.A_log.device == META
+    remove_hook_from_module(model, recurse=True)
+    assert not [name for name, p in model.named_parameters() if p.device != CPU]
+    assert torch.equal(_greedy(model, ids, 32, prompt_lookup_num_tokens=5), plain)
+
+
+def test_offloaded_conv_weight_is_loaded_once_per_forward(tmp_path, monkeypatch):
+    """A forward with a prefill part and a verify part runs the layer's step twice; the offloaded
+    ``conv1d.weight`` it reads is loaded once (around the whole forward), not once per part."""
+    pytest.importorskip("accelerate")
+    model = _dispatch(tiny_model("qwen3_5", seed=0), _device_map(["cpu", "disk", "cpu", "disk"], "cpu"),
+                      offload_dir=str(tmp_path))
+    apply_recoverssm(model)
+    conv = model.model.layers[1].linear_attn.conv1d
+    assert conv.weight.device == META
+    loads = []
+    hook = conv._hf_hook
+    monkeypatch.setattr(hook, "pre_forward", functools.partial(lambda f, *a, **k: loads.append(1) or f(*a, **k),
+                                                               hook.pre_forward))
+    cache = RecoverSSMCache(model, max_pending=4)
+    with torch.no_grad():
+        model(input_ids=_ids(), use_cache=True, **_with(model, cache))
+    plan = cache.rollback.plan
+    assert plan.prefill is not None and plan.verify is not None
+    assert len(loads) == 1 and conv.weight.device == META
+
+
 # ----------------------------------------------------------------------------- GPU: cuda:0 and the CPU
 
 
@@ -547,15 +863,24 @@ def test_cpu_offload_runs_on_the_gpu(tmp_path):
     assert torch.equal(out.cpu(), plain.cpu()) and cache.graphed.replays == 0 and cache.graphed.failed
 
 
+@pytest.mark.parametrize("layers,rest,groups", [
+    ([0, 0, 1, 1], 1, ["cuda:0", "cuda:1"]),
+    ([1, 0, 1, 0], 0, ["cuda:0", "cuda:1"]),  # the first GDN layer (the pool's bookkeeping) on cuda:1
+    ([1, 1, 1, 1], 0, ["cuda:1"]),  # every layer on cuda:1, the inputs on cuda:0: the pool on cuda:1 alone
+])
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_split_over_two_gpus_generates_plain_greedy():
+def test_split_over_two_gpus_generates_plain_greedy(one_device_per_call, layers, rest, groups):
+    """Two GPUs, cuda:0 current throughout: every launch runs with its tensors' device current
+    (``one_device_per_call``; Triton launches on the current device), and prompt lookup gives
+    plain greedy's tokens."""
     pytest.importorskip("accelerate")
-    layers = [0, 0, 1, 1]
-    ids = _ids()
-    plain = _greedy(_split("qwen3_next", layers, rest=1), ids, 128)
-    model = apply_recoverssm(_split("qwen3_next", layers, rest=1))
+    assert torch.cuda.current_device() == 0
+    ids = _ids(torch.device("cuda", rest))
+    plain = _greedy(_split("qwen3_next", layers, rest=rest), ids, 128)
+    model = apply_recoverssm(_split("qwen3_next", layers, rest=rest))
     cache = RecoverSSMCache(model)
     out = _greedy(model, ids, 128, prompt_lookup_num_tokens=5, **_with(model, cache))
-    assert torch.equal(out.cpu(), plain.cpu())
-    assert sorted(str(d) for d, _ in cache.rollback.pool.gdn_groups) == ["cuda:0", "cuda:1"]
+    assert torch.equal(out.cpu(), plain.cpu()) and cache.stats.accepted > 0
+    assert sorted(str(d) for d, _ in cache.rollback.pool.gdn_groups) == groups
+    assert cache.rollback.pool.guarded and one_device_per_call

@@ -44,13 +44,10 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
 
     def engine_forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
         """The engine call, :meth:`RecoverGatedDeltaNet.forward` (flat tokens ``[T, hidden]``,
-        metadata, pool). The layer reads ``conv1d.weight`` without calling ``conv1d``: under a
-        device map that offloads it (accelerate hooks), its hook loads it around the call."""
-        hook = self.conv1d.__dict__.get("_hf_hook")  # accelerate keeps hooks in the instance dict
-        if hook is None:
-            return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
-        with hook_loaded(self.conv1d):
-            return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
+        metadata, pool); a forward calls it once or twice (its prefill part, its verify part).
+        The layer reads ``conv1d.weight`` without calling ``conv1d``: under a device map that
+        offloads it, :meth:`forward` has its accelerate hook load it once for both."""
+        return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
 
     @classmethod
     def from_hf(cls, module: nn.Module, tp_group=None) -> RecoverGDNAdapter:
@@ -60,6 +57,12 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
                 cache_params=None, **kwargs) -> torch.Tensor:
+        if self.conv1d.__dict__.get("_hf_hook") is None:  # accelerate keeps hooks in the instance dict
+            return self._forward(hidden_states, cache, attention_mask, cache_params)
+        with hook_loaded(self.conv1d):  # an offloaded conv weight, loaded once per forward
+            return self._forward(hidden_states, cache, attention_mask, cache_params)
+
+    def _forward(self, hidden_states, cache, attention_mask, cache_params) -> torch.Tensor:
         cache = cache if cache is not None else cache_params
         if attention_mask is not None and attention_mask.dim() == 2:  # zero the padded positions, as HF does
             hidden_states = (hidden_states * attention_mask[:, -hidden_states.shape[1]:, None]).to(hidden_states.dtype)

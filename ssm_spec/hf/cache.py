@@ -205,9 +205,9 @@ class RecoverSSMCache(DynamicCache):
 
     def _begin_forward(self, B, L, dtype, device):
         """Plan a forward of ``L`` tokens for each of ``B`` rows on the rollback pool (made here
-        on the first forward, with ``dtype`` conv states on ``device``, or, for a model whose
-        converted layers run on several devices (a device map), each layer's states on the
-        device its forward runs on: :func:`~ssm_spec.hf.placement.layer_devices`)."""
+        on the first forward, with ``dtype`` conv states, each layer's states on the device its
+        forward runs on: its accelerate hook's execution device or its weights' device, else
+        ``device``, the hidden states': :func:`~ssm_spec.hf.placement.layer_devices`)."""
         rb = self.rollback
         if rb is None or rb.batch_size != B:
             if rb is not None and rb.seen:

@@ -13,6 +13,7 @@ replaces. accelerate itself is imported only where a hook is present.
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 
 import torch
@@ -50,23 +51,24 @@ def execution_device(module: nn.Module) -> torch.device | None:
     return None
 
 
-def layer_devices(layers, fallback):
-    """The ``device`` argument of the pool that holds ``layers``' states.
+def layer_devices(layers, fallback) -> list[torch.device]:
+    """The ``device`` argument of the pool that holds ``layers``' states: one ``torch.device``
+    per layer, always a list (a :class:`~ssm_spec.StatePool` given the same device for every
+    layer is a pool on that one device).
 
     Args:
         layers: the converted layers, in model order.
-        fallback: the device of the first forward's hidden states.
+        fallback: the device of the first forward's hidden states (anything
+            :func:`~ssm_spec.pools.placement_device` takes), for a layer that names no device.
 
     Returns:
-        ``fallback`` when the layers run on at most one device they name (the pool on one
-        device, as for any model without a device map: its layers run where the hidden states
-        are); else one device per layer (:func:`execution_device`; ``fallback`` for a layer that
-        names none).
+        Each layer's :func:`execution_device`, or ``fallback`` where it names none. Layers that
+        all name one device get that device, whatever ``fallback`` is: a model whose GDN layers
+        all run on ``cuda:1`` while its inputs arrive on ``cuda:0`` keeps their states on
+        ``cuda:1``.
     """
-    devices = [execution_device(layer) for layer in layers]
-    if len({d for d in devices if d is not None}) <= 1:
-        return fallback
-    return [fallback if d is None else d for d in devices]
+    fallback = placement_device(fallback)
+    return [fallback if d is None else d for d in map(execution_device, layers)]
 
 
 def placement_problem(model: nn.Module) -> str | None:
@@ -95,18 +97,41 @@ def placement_problem(model: nn.Module) -> str | None:
     return None
 
 
+def _copy_hook(hook):
+    """A copy of an accelerate hook (a ``SequentialHook``: of each member), so that attaching
+    it to another module leaves ``hook`` as it was."""
+    members = getattr(hook, "hooks", None)
+    if members is not None:
+        return type(hook)(*(_copy_hook(h) for h in members))
+    new = copy.copy(hook)
+    if isinstance(getattr(hook, "tied_params_names", None), set):
+        new.tied_params_names = set(hook.tied_params_names)
+    return new
+
+
 def carry_hook(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` (a converted layer) the accelerate hook of ``old`` (the layer it replaces),
-    if ``old`` has one and ``new`` has none: its inputs go to the same execution device, and the
-    weights it owns directly (``A_log``, ``dt_bias``, under the same names) are loaded and
-    offloaded as ``old``'s were. Submodules are shared and keep their own hooks.
+    """Give ``new`` (a converted layer) a copy of the accelerate hook of ``old`` (the layer it
+    replaces), if ``old`` has one and ``new`` has none: its inputs go to the same execution
+    device, and the weights it owns directly (``A_log``, ``dt_bias``, under the same names) are
+    loaded and offloaded as ``old``'s were. Submodules are shared and keep their own hooks.
+
+    A copy, not the hook itself: attaching a hook runs its ``init_hook``, which for an
+    offloading hook records the module's current weight devices as ``original_devices`` (the
+    devices ``remove_hook_from_module`` restores the weights to). The converted layer's weights
+    are already offloaded (``meta``), so the copy keeps the old hook's record instead, and
+    removing the hooks brings ``A_log`` and ``dt_bias`` back as it would have for ``old``.
     """
     hook = getattr(old, "_hf_hook", None)
     if hook is None or getattr(new, "_hf_hook", None) is not None:
         return
     from accelerate.hooks import add_hook_to_module
 
-    add_hook_to_module(new, hook)
+    carried = _copy_hook(hook)
+    add_hook_to_module(new, carried)
+    pairs = zip(getattr(hook, "hooks", (hook,)), getattr(carried, "hooks", (carried,)))
+    for was, now in pairs:  # init_hook recorded the converted layer's (offloaded) devices: keep old's
+        if isinstance(getattr(was, "original_devices", None), dict):
+            now.original_devices = dict(was.original_devices)
 
 
 @contextmanager

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from ..metadata import RecoverSSMMetadata
-from ..ops import _eager
 from ..pools import StatePool
 
 __all__ = ["RollbackPool"]
@@ -243,7 +242,7 @@ class RollbackPool:
             dst = ckpt if into_checkpoint else scratch
             qsl, counts = self._count_tensors(count, device)
             recs = tuple(r[:, :, lo:n].flatten(1, 2) for r in self._pending[key])
-            _eager.call(op, state, *recs, qsl, src, counts, dst, none, none)
+            self.pool.launch(device, op, state, *recs, qsl, src, counts, dst, none, none)
         if into_checkpoint:
             for key, recs in self._pending.items():
                 self._pending[key] = tuple(r[:, :, n:] for r in recs)

@@ -199,11 +199,17 @@ class RecoverGatedDeltaNet(nn.Module):
         Args:
             hidden: ``[T, hidden]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
                 count; rows outside every window come out zero).
-            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
+            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`, built on
+                ``pool.device``; pass the same object to every layer of the step (a layer on
+                another of the pool's devices copies it itself, once per device:
+                :meth:`~ssm_spec.RecoverSSMMetadata.to`). A folded pool recognises the step by
+                this object: a second metadata object within one step (a copy made by the
+                caller, say) is refused.
             pool: the :class:`~ssm_spec.StatePool` holding this layer's states; ``hidden`` and
                 the layer's parameters are on the device of those states
-                (``pool.device_of(layer)``); ``metadata`` may be on another of the pool's
-                devices (copied once, :meth:`~ssm_spec.RecoverSSMMetadata.to`).
+                (``pool.device_of(layer)``). On a pool over several devices the step runs
+                with that device current (``torch.cuda.device``; the kernels launch on the
+                current CUDA device).
 
         Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
 
@@ -213,17 +219,25 @@ class RecoverGatedDeltaNet(nn.Module):
                 tokens than the pool's ``max_tokens``; snapshot or folded mode with align mode; a
                 prefill row continuing from a slot with a pending window (exact folded mode, see
                 :meth:`StatePool.fold_plan`); a verify window past a fast folded pool's
-                ``max_window``; a layer the pool does not hold. Raised before
-                anything is written.
+                ``max_window``; a layer the pool does not hold; a folded pool given another
+                metadata object than the step's earlier layers got. Raised before anything is
+                written.
         """
         check_inference("RecoverGatedDeltaNet", hidden, self)
         state = pool.gdn_state(self)
         dev = state.device  # a pool spread over devices: this layer's states, plans and metadata live here
+        guard = pool.launch_guard(dev)  # None on a pool on one device
+        if guard is None:
+            return self._step(hidden, metadata, pool, state, dev)
+        with guard:
+            return self._step(hidden, metadata, pool, state, dev)
+
+    def _step(self, hidden, metadata, pool, state, dev):
         fold = None
         if pool.folded:  # before anything is written: these may refuse the step
             if metadata.align:
                 raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-            fold = pool.lazy_plan(metadata, dev) if pool.ring_mode else pool.fold_plan(metadata, dev)
+            fold = pool.lazy_plan(metadata, dev, self) if pool.ring_mode else pool.fold_plan(metadata, dev, self)
         metadata = metadata.to(dev)  # itself on a pool on one device
         T = hidden.shape[0]
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim

@@ -125,10 +125,12 @@ class RecoverShortConv(nn.Module):
         Args:
             x: ``[T, C]`` float32/bfloat16/float16 (``T`` may exceed the metadata's token
                 count; rows outside every window come out zero).
-            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`.
+            metadata: the step's :class:`~ssm_spec.RecoverSSMMetadata`, built on
+                ``pool.device``; pass the same object to every layer of the step (a layer on
+                another of the pool's devices copies it itself, once per device).
             pool: the :class:`~ssm_spec.StatePool` holding this layer's states (``x`` and the
-                parameters on their device; ``metadata`` may be on another of the pool's
-                devices).
+                parameters on their device; on a pool over several devices the step runs with
+                that device current).
 
         Inference only: call it under ``torch.no_grad()`` (or ``torch.inference_mode()``).
 
@@ -142,9 +144,14 @@ class RecoverShortConv(nn.Module):
         if self.tp_group is not None:  # this rank's channels of the full input
             x = x[:, self.tp_channels[0]:self.tp_channels[1]]
         conv_state = pool.conv_state(self)
-        out = run_short_conv(x, self.weight[:, 0], self.bias, conv_state,
-                             pool.conv_record(self, pool.max_tokens), metadata.to(conv_state.device), self.dilation,
-                             self.activation, pool)
+        args = (x, self.weight[:, 0], self.bias, conv_state, pool.conv_record(self, pool.max_tokens),
+                metadata.to(conv_state.device), self.dilation, self.activation, pool)
+        guard = pool.launch_guard(conv_state.device)  # None on a pool on one device
+        if guard is None:
+            out = run_short_conv(*args)
+        else:
+            with guard:
+                out = run_short_conv(*args)
         if self.tp_group is not None:
             out = all_gather_channels(out, self.tp_group)
         return out
