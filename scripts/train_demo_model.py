@@ -26,9 +26,11 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,18 +153,28 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps: expected >= 1, got {args.steps}")
-    if args.minutes is not None and not args.minutes > 0:
-        p.error(f"--minutes: expected > 0, got {args.minutes}")
+    if args.minutes is not None and not (args.minutes > 0 and math.isfinite(args.minutes)):
+        p.error(f"--minutes: expected a finite number > 0, got {args.minutes}")
     out = Path(args.out).expanduser()
-    if any(q.exists() and not q.is_dir() for q in (out, *out.parents)):
-        p.error(f"--out {args.out}: exists and is not a directory")
+    blocking = next((q for q in (out, *out.parents) if q.exists() and not q.is_dir()), None)
+    if blocking is not None:
+        p.error(f"--out {args.out}: {blocking} exists and is not a directory")
+    existing = next(q for q in (out, *out.parents) if q.exists())
+    try:  # a folder that cannot be written fails here, not after the training
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".write_check"))
+    except OSError as exc:
+        p.error(f"--out {args.out}: {existing} is not writable ({exc.strerror or exc})")
     if args.device is not None:
         try:
             device = torch.device(args.device)
         except (RuntimeError, ValueError):
             p.error(f"--device {args.device}: not a torch device (expected cpu, cuda or cuda:N)")
+        if device.type not in ("cpu", "cuda"):
+            p.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
         if device.type == "cuda" and not torch.cuda.is_available():
             p.error(f"--device {args.device}: CUDA is not available on this machine")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            p.error(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA devices")
     if args.stdlib is not None and not Path(args.stdlib).expanduser().is_dir():
         p.error(f"--stdlib {args.stdlib}: no such directory")
     return args

@@ -4,9 +4,10 @@ ssm-spec selfcheck [--seed N]: run every op against the token-by-token reference
 data and print a table (exit status 1 if any check fails).
 
 ssm-spec generate [--model tiny-random|demo|PATH] [--draft prompt-lookup|self|demo|PATH]
-[--check] ...: speculative decoding with generate on a Qwen3-Next / Qwen3.5 model (default: an
-embedded tiny model with random weights, no download; ``demo``: the packaged demo pair when the
-build has it); prints the text, the tokens/s of plain transformers, of the
+[--check] ...: speculative decoding with generate on a Qwen3-Next / Qwen3.5 model (default:
+``demo``, the packaged demo model trained on the standard library's source; ``tiny-random``: an
+embedded tiny model with random weights; no download either way); prints the text, the tokens/s
+of plain transformers, of the
 converted model without drafts and with drafts (medians of --repeats calls), and acceptance
 statistics (exit status 1 if --check finds tokens that differ from plain greedy, 2 on a usage
 or model error: checked before any model loads). Needs the hf extra.

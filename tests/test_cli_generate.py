@@ -294,6 +294,16 @@ def test_named_models_resolve_to_what_they_stand_for(monkeypatch, tmp_path):
     assert (args.model, args.draft) == (str(tmp_path / "target"), str(tmp_path / "draft"))
 
 
+def test_default_model_with_an_unusable_demo_dir_is_an_error_not_the_random_model(capsys, no_model_loads,
+                                                                                 monkeypatch, tmp_path):
+    """SSM_SPEC_DEMO_DIR set to a directory without the pair: the default model is refused in one
+    line (a newcomer's run found it silently running the random model instead)."""
+    monkeypatch.setenv("SSM_SPEC_DEMO_DIR", str(tmp_path))
+    assert cli.main(["generate"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ssm-spec generate: error: --model demo: "), lines
+
+
 def test_demo_messages_name_the_member_and_where_it_was_looked_up(capsys, no_model_loads, monkeypatch, tmp_path):
     """``--draft demo`` missing points at ``DIR/draft`` (not ``--model DIR/target``), and a set
     ``SSM_SPEC_DEMO_DIR`` is named as the place looked in (not "this build")."""

@@ -104,6 +104,10 @@ def test_bench_hf_generate_model_demo_on_held_out_code(smoke_run, tmp_path):
     (["--steps", "-3"], ["--steps", "got -3"]),
     (["--stdlib", "/nonexistent/stdlib"], ["--stdlib /nonexistent/stdlib", "no such directory"]),
     (["--device", "foo"], ["--device foo"]),
+    (["--device", "mps"], ["--device mps", "expected cpu, cuda"]),
+    (["--minutes", "inf"], ["--minutes", "finite"]),
+    (["--minutes", "0"], ["--minutes", "got 0"]),
+    (["--out", "/proc/ssm_spec_demo"], ["--out /proc/ssm_spec_demo", "not writable"]),
 ])
 def test_bad_arguments_are_usage_errors_before_training(tmp_path, capsys, argv, words):
     """``--steps 0`` is not silently the default, nor a negative count a run of no steps; a

@@ -1,6 +1,7 @@
 """``ssm-spec generate``: speculative decoding on a Qwen3-Next / Qwen3.5 model from the shell.
 
-Loads a local checkpoint (or builds the embedded tiny model) and times three ``generate`` runs
+Loads the packaged demo model (the default), a local checkpoint or the embedded tiny random
+model, and times three ``generate`` runs
 of it, each the median of ``--repeats`` calls: plain transformers (the model as loaded), the
 model converted by :func:`~ssm_spec.hf.apply_recoverssm` without drafts, and the converted
 model with prompt lookup or a draft model. It prints the text and a table: the three tokens/s,
@@ -122,7 +123,8 @@ def resolve_names(args) -> None:
     build carries it, else (with a note) the tiny model. Sets ``args.demo_model``.
 
     Raises:
-        CLIError: ``demo`` asked for and not in this build (or ``$SSM_SPEC_DEMO_DIR``).
+        CLIError: ``demo`` asked for (by name, or as the default while ``$SSM_SPEC_DEMO_DIR`` is
+            set) and not in this build (or ``$SSM_SPEC_DEMO_DIR``).
     """
     from ..assets import demo_available, demo_checkpoint, demo_dir
 
@@ -138,6 +140,8 @@ def resolve_names(args) -> None:
     if args.model is None:  # the default: the demo pair's target, where this build carries it
         if demo_available("target"):
             args.model, args.demo_model = str(demo_checkpoint("target")), True
+        elif os.environ.get("SSM_SPEC_DEMO_DIR"):  # asked for a pair elsewhere: never a silent swap
+            args.model = demo("target", "--model")
         else:
             _note(args, f"this build has no demo model ({demo_dir()}): running the tiny random model "
                         "(--model tiny-random)")
