@@ -16,6 +16,7 @@ or model error: checked before any model loads). Needs the hf extra.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -41,12 +42,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cli_generate.add_arguments(gen)
     args = parser.parse_args(argv)
-    if args.command == "selfcheck":
-        from .selfcheck import main as selfcheck_main
+    try:
+        if args.command == "selfcheck":
+            from .selfcheck import main as selfcheck_main
 
-        return selfcheck_main(args.seed)
-    if args.command == "generate":
-        return cli_generate.main(args)
+            return selfcheck_main(args.seed)
+        if args.command == "generate":
+            return cli_generate.main(args)
+    except BrokenPipeError:  # the reader went away (`ssm-spec generate | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 1
     return 2
 
 

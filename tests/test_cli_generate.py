@@ -323,3 +323,14 @@ def test_a_training_runs_output_dir_is_pointed_at_its_member(capsys, no_model_lo
     assert cli.main(["generate", option, str(tmp_path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and str(tmp_path / member) in lines[0] and f"SSM_SPEC_DEMO_DIR={tmp_path}" in lines[0]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``ssm-spec generate | head``: a closed stdout is a quiet exit status 1, not a traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "ssm_spec", "generate", "--model", "tiny-random", "--max-new-tokens",
+                             "4", "--repeats", "1", "--warmup", "0", "--quiet", "--device", "cpu"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before anything is written
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1 and "Traceback" not in err, err
