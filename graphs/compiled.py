@@ -52,7 +52,7 @@ def compile_step(model, pool: StatePool, *, temperature: float = 1.0, generator:
                          "sample from the device's default generator (seed it with torch.manual_seed)")
     if not temperature > 0:
         raise ValueError(f"compile_step: temperature: got {temperature}; expected > 0")
-    if len(pool.devices) > 1:
+    if pool.spread:
         raise ValueError(f"compile_step: the pool spans {', '.join(map(str, pool.devices))}; the compiled step "
                          "runs on one device (run a model spread over devices eagerly)")
     for t in pool_tensors(pool):

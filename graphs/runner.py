@@ -104,7 +104,7 @@ class SpecDecodeGraphRunner:
             raise ValueError(f"SpecDecodeGraphRunner: temperature: got {temperature}; expected > 0")
         if vocab_size < 1:
             raise ValueError(f"SpecDecodeGraphRunner: vocab_size: got {vocab_size}; expected >= 1")
-        if len(pool.devices) > 1:
+        if pool.spread:
             raise ValueError(f"SpecDecodeGraphRunner: the pool spans {', '.join(map(str, pool.devices))}; a CUDA "
                              "graph holds the step of one device (run a model spread over devices eagerly)")
         if capture and pool.device.type != "cuda":

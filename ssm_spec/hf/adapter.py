@@ -42,12 +42,10 @@ class RecoverGDNAdapter(RecoverGatedDeltaNet):
             roll back a recurrent state); grad mode with parameters that require grad.
     """
 
-    def engine_forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
-        """The engine call, :meth:`RecoverGatedDeltaNet.forward` (flat tokens ``[T, hidden]``,
-        metadata, pool); a forward calls it once or twice (its prefill part, its verify part).
-        The layer reads ``conv1d.weight`` without calling ``conv1d``: under a device map that
-        offloads it, :meth:`forward` has its accelerate hook load it once for both."""
-        return RecoverGatedDeltaNet.forward(self, hidden, metadata, pool)
+    # The engine call (flat tokens [T, hidden], metadata, pool); a forward makes it once or twice
+    # (its prefill part, its verify part). It reads conv1d.weight without calling conv1d: under a
+    # device map that offloads it, forward() has its accelerate hook load it once for both.
+    engine_forward = RecoverGatedDeltaNet.forward
 
     @classmethod
     def from_hf(cls, module: nn.Module, tp_group=None) -> RecoverGDNAdapter:

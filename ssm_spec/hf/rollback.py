@@ -162,7 +162,7 @@ class RollbackPool:
         if B != self.batch_size or L != plan.prefill_len + plan.verify_len:
             raise ValueError(f"RollbackPool.run: hidden: got [{B}, {L}, {D}]; the forward planned "
                              f"[{self.batch_size}, {plan.prefill_len + plan.verify_len}, ...]")
-        if len(self.pool.devices) > 1 and hidden.device != self.pool.device_of(layer):
+        if self.pool.spread and hidden.device != self.pool.device_of(layer):
             raise ValueError(f"RollbackPool.run: {type(layer).__name__} got hidden states on {hidden.device}; its "
                              f"states are on {self.pool.device_of(layer)} (the device its forward was expected to "
                              "run on when the pool was made)")
