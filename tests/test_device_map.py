@@ -599,9 +599,14 @@ def test_placement_problem_names_devices_and_offloading():
 
 
 def _device_map(layers, rest):
-    """A device map of a tiny model: decoder layer ``i`` on ``layers[i]``, everything else on ``rest``."""
-    return {"model.embed_tokens": rest, **{f"model.layers.{i}": d for i, d in enumerate(layers)},
-            "model.norm": rest, "lm_head": rest}
+    """A device map of a tiny model: decoder layer ``i`` on ``layers[i]``, everything else on ``rest``.
+
+    ``model.rotary_emb`` is named too: it holds only buffers (``inv_freq``), which a map that
+    leaves it out keeps on the CPU, and Qwen3.5's multimodal rotary embedding multiplies them
+    with position ids on ``rest`` without moving them (the unconverted model then fails on
+    ``rest = cuda``: seen on the H200)."""
+    return {"model.embed_tokens": rest, "model.rotary_emb": rest,
+            **{f"model.layers.{i}": d for i, d in enumerate(layers)}, "model.norm": rest, "lm_head": rest}
 
 
 def _dispatch(model, device_map, **kwargs):
