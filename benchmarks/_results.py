@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +107,24 @@ def device_name(device) -> str:
 def slug(text: str) -> str:
     """``text`` as a file-name part: lower case, runs of other characters as ``-``."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+#: Timed calls of one run that differ by more than this factor (slowest / fastest) are reported:
+#: on the H200 a 32-token warm-up left the first 256-token call of several runs 2-4.5x slower
+#: than the second (work the warm-up did not reach), which a median of two then averaged in.
+TIMING_SPREAD_LIMIT = 1.3
+
+
+def timing_spread(name: str, times) -> float:
+    """``max(times) / min(times)`` of one run's timed calls (seconds); prints a warning to stderr
+    naming the run when it exceeds :data:`TIMING_SPREAD_LIMIT`. Raises ``ValueError`` on an empty
+    or non-positive list."""
+    times = list(times)
+    if not times or min(times) <= 0:
+        raise ValueError(f"{name}: timed calls must be a non-empty list of positive seconds, got {times}")
+    spread = max(times) / min(times)
+    if spread > TIMING_SPREAD_LIMIT:
+        print(f"warning: {name}: timed calls differ {spread:.2f}x ({', '.join(f'{t:.3f}' for t in times)} s): "
+              "the warm-up left work undone (compilation, autotuning); raise --warmup-tokens or --repeats",
+              file=sys.stderr)
+    return spread

@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir,
+from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, timing_spread,
                       write_results)
 
 from ssm_spec.hf.kernels import hf_reference_kernels
@@ -99,8 +99,10 @@ BASELINES = ("hf", "hf-torch")
 SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
 
 #: Widths of the default (H200) model and of ``--quick``.
-#: ``--model``'s default warm-up: 7 runs x 4 prompts x (warm-up + 2 timed calls) of host-bound
-#: eager generate took over 170 s on the H200 with a full-length warm-up.
+#: ``--model``'s default warm-up on the CPU, where nothing compiles: the pair's prompts make
+#: 7 runs x 4 prompts x (warm-up + 2 timed calls) of eager generate. On CUDA the warm-up is the
+#: whole length (as for the random-weight kinds): a 32-token warm-up there left the first timed
+#: call of several runs 2-4.5x slower than the second (H200, 2026-12-02).
 DEMO_WARMUP_TOKENS = 32
 FULL = dict(hidden=2048, layers=8, key_heads=16, value_heads=32, head_dim=128, attn_heads=16,
             kv_heads=2, attn_head_dim=128, intermediate=5632, new_tokens=256, repeats=2,
@@ -258,7 +260,7 @@ def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens
     med = statistics.median(times)
     phases.seconds[f"{name} timed"] = sum(times)
     return {"tokens": seq, "new_tokens": len(seq), "times_s": times, "time_s": med,
-            "tokens_per_s": len(seq) / med, "extra": last_extra}
+            "times_spread": timing_spread(name, times), "tokens_per_s": len(seq) / med, "extra": last_extra}
 
 
 def timed_generate_hf_torch(model, ids, clock, phases, hf_kernels: dict, **common) -> tuple[dict, dict]:
@@ -690,7 +692,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help=f"timed generate calls per run, median "
                                                              f"(default {FULL['repeats']})")
     p.add_argument("--warmup-tokens", type=int, default=None,
-                   help="tokens of each warm-up generate (default: --new-tokens)")
+                   help="tokens of each warm-up generate (default: --new-tokens; with --model on the "
+                        f"CPU {DEMO_WARMUP_TOKENS}); shorter warm-ups can leave compilation in the timed calls")
     p.add_argument("--forward-reps", type=int, default=None,
                    help=f"timed single forwards per width, median (default {FULL['forward_reps']})")
     p.add_argument("--forward-warmup", type=int, default=3, help="untimed single forwards per width")
@@ -719,8 +722,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.warmup_tokens is None:  # a trained pair's warm-up only compiles and sizes caches
-        args.warmup_tokens = DEMO_WARMUP_TOKENS if args.model is not None else args.new_tokens
+    if args.warmup_tokens is None:  # the whole length, but for a trained pair on the CPU
+        on_cpu = torch.device(args.device).type == "cpu"
+        args.warmup_tokens = DEMO_WARMUP_TOKENS if args.model is not None and on_cpu else args.new_tokens
     if args.std is None:
         args.std = 0.2 * math.sqrt(64 / args.hidden)
     if args.value_heads % args.key_heads:

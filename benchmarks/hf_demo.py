@@ -107,7 +107,10 @@ def _args(ns, draft: str) -> Namespace:
 
 
 def run_demo(ns) -> dict:
-    """Run every prompt through the runs above; returns the results dict (per prompt and summed)."""
+    """Run every prompt through the runs above; returns the results dict (per prompt and summed).
+    Each run records its timed calls' seconds and their spread (a warning names a run whose calls
+    differ by more than ``_results.TIMING_SPREAD_LIMIT``)."""
+    from _results import timing_spread
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
 
@@ -126,7 +129,8 @@ def run_demo(ns) -> dict:
     rows = []
     for i, (p, x) in enumerate(zip(prompts, ids)):
         rows.append({"file": p["file"], "kind": p["kind"], "prompt_tokens": x.shape[1],
-                     "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s}}})
+                     "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s, "times_s": list(plain[i].times),
+                                     "times_spread": timing_spread(f"hf, prompt {i}", plain[i].times)}}})
     for prefix, graphs in modes:
         apply_recoverssm(target, cuda_graphs=graphs)
         for i, x in enumerate(ids):
@@ -134,7 +138,8 @@ def run_demo(ns) -> dict:
                                ("ours+draft", dict(assistant_model=draft))):
                 key = name.replace("ours", prefix) if prefix else name
                 r = timed_generate(target, x, args, desc=key, speculative=spec)
-                entry = {"tokens_per_s": r.tokens_per_s,
+                entry = {"tokens_per_s": r.tokens_per_s, "times_s": list(r.times),
+                         "times_spread": timing_spread(f"{key}, prompt {i}", r.times),
                          "tokens_equal_hf": torch.equal(r.new_tokens, plain[i].new_tokens)}
                 if r.stats is not None:
                     entry.update(mean_accepted_length=r.stats.mean_accepted_length,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
@@ -159,3 +160,41 @@ def test_bench_hf_generate_model_is_checked_before_anything_loads(tmp_path, caps
     assert ": error: " in line, line
     for word in words:
         assert word in line, line
+
+
+def test_timing_spread_warns_when_timed_calls_disagree(capsys):
+    """A run whose timed calls differ by more than the limit is named on stderr (the H200 case:
+    12.7 s then 2.8 s after a short warm-up); close calls pass quietly; nonsense is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _results import TIMING_SPREAD_LIMIT, timing_spread
+
+    assert timing_spread("hf", [12.727, 2.831]) == pytest.approx(12.727 / 2.831)
+    err = capsys.readouterr().err
+    assert "hf: timed calls differ 4.50x" in err and "--warmup-tokens" in err
+    assert timing_spread("ours", [1.0, 1.0 * TIMING_SPREAD_LIMIT]) == pytest.approx(TIMING_SPREAD_LIMIT)
+    assert timing_spread("one call", [2.5]) == 1.0
+    assert capsys.readouterr().err == ""
+    for bad in ([], [0.0, 1.0], [-1.0]):
+        with pytest.raises(ValueError, match="positive seconds"):
+            timing_spread("bad", bad)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_bench_hf_generate_warms_up_over_the_whole_length_where_kernels_compile(monkeypatch, cuda):
+    """The default warm-up is the whole generation (``--new-tokens``) for the random-weight kinds
+    everywhere and for the trained pair on CUDA; only the trained pair on the CPU (nothing to
+    compile) keeps the short one. An explicit ``--warmup-tokens`` is kept."""
+    pytest.importorskip("safetensors")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+    from ssm_spec.assets import demo_available
+
+    if not demo_available():
+        pytest.skip("this build carries no demo pair")
+    device = "cuda" if cuda else "cpu"
+    if cuda and not torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    demo = bench.parse_args(["--model", "demo", "--device", device, "--new-tokens", "64"])
+    assert demo.warmup_tokens == (64 if cuda else bench.DEMO_WARMUP_TOKENS)
+    assert bench.parse_args(["--kind", "qwen3_5", "--device", device, "--new-tokens", "64"]).warmup_tokens == 64
+    assert bench.parse_args(["--model", "demo", "--device", device, "--warmup-tokens", "5"]).warmup_tokens == 5
