@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
-#   the same time instead (the whole -m gpu suite takes over 10 minutes in one process)
+#   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
+#   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit)
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
@@ -21,6 +22,20 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
   [ -f /tmp/site/.installed ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# Triton autotuning results: fla-core tunes each of its kernels on first use (every config
+# compiled and timed: one to two minutes per process on a fresh machine, seen on the H200), and
+# Triton keeps each winner as <kernel>.autotune.json in its cache directory. The run returns them
+# in $OUT/triton_autotune.tar.gz; copy that file to .gpu_cache/ here and name .gpu_cache in the
+# device tool's carry, and the next machine compiles only the winners.
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .gpu_cache/triton_autotune.tar.gz ]; then
+  mkdir -p "$TRITON_CACHE" && tar -C "$TRITON_CACHE" -xzf .gpu_cache/triton_autotune.tar.gz \
+    && echo "autotune results carried in: $(tar -tzf .gpu_cache/triton_autotune.tar.gz | grep -c autotune.json)"
+fi
+save_autotune() {
+  [ -d "$TRITON_CACHE" ] && (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -)
+}
+trap save_autotune EXIT
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
@@ -32,9 +47,13 @@ for part in $PARTS; do
         for f in tests/test_*.py; do  # a file in no group would be skipped silently
           [[ " ${groups[*]} " == *" $f "* ]] || echo "note: $f is in no GPU_TEST_GROUPS group"
         done
+        # each group its share of the cores: oversubscribed OpenMP threads slowed the CPU halves
+        # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group
+        threads=$(( $(nproc) / ${#groups[@]} )); [ "$threads" -ge 1 ] || threads=1
         pids=()
         for i in "${!groups[@]}"; do
-          python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_group$i.log" 2>&1 &
+          OMP_NUM_THREADS=$threads ${GPU_TEST_TIMEOUT:+timeout "$GPU_TEST_TIMEOUT"} \
+            python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_group$i.log" 2>&1 &
           pids+=($!)
         done
         : > "$OUT/tests.log"
