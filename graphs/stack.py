@@ -8,6 +8,11 @@ the attention layers are causal grouped-query attention (SDPA, no rotary embeddi
 static per-slot KV buffer, so a step allocates nothing that depends on data and can be
 captured. The forward takes the step's flat tokens, its :class:`~ssm_spec.RecoverSSMMetadata`
 and the :class:`~ssm_spec.StatePool`, like the modules it embeds.
+
+With a process group (``DecoderStack(..., tp_group=g)``) the stack is tensor-parallel: the GDN
+layers keep their heads' share (``RecoverGatedDeltaNet.shard_``), the attention layers their
+query and KV heads, the MLPs their share of the intermediate width; each of the three ends in one
+``all_reduce``. Embedding, norms and LM head are replicated (docs/design.md section 5.9).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import RecoverGatedDeltaNet, RecoverSSMMetadata, StatePool
+from ..modules.tensor_parallel import all_reduce_, tp_share
 
 __all__ = ["DecoderStack", "StaticKVAttention", "RowLayout", "REALISTIC_WIDTHS", "TINY_WIDTHS"]
 
@@ -76,6 +82,46 @@ class StaticKVAttention(nn.Module):
         self.register_buffer("kv", torch.zeros(2, num_slots + 1, max_len, num_kv_heads, head_dim, **kw),
                              persistent=False)
 
+    tp_group = None
+
+    def shard_(self, tp_group) -> StaticKVAttention:
+        """Keep this rank's query heads and KV heads, in place (tensor parallelism); returns ``self``.
+
+        On rank ``r`` of ``P``: query heads ``[r H/P, (r+1) H/P)`` (rows of ``q_proj``, input
+        columns of ``o_proj``: row-parallel, the forward all-reduces its ``[T, hidden]`` output)
+        and the KV heads they read (rows of ``k_proj`` / ``v_proj``, the KV buffer's heads):
+        ``[r Hkv/P, (r+1) Hkv/P)`` when ``P`` divides ``Hkv``; when ``Hkv`` divides ``P`` (more
+        ranks than KV heads, e.g. 2 KV heads over 4 ranks) the one KV head ``r Hkv / P``,
+        replicated on ``P / Hkv`` ranks. The KV buffer is made anew (zeros) for the kept heads.
+
+        Raises:
+            ValueError: ``num_heads`` not divisible by the group's size, ``num_kv_heads`` neither
+                divisible by nor a divisor of it, or the layer already sharded.
+        """
+        if self.tp_group is not None:
+            raise ValueError("StaticKVAttention.shard_: the layer is already sharded")
+        owner = type(self).__name__
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h0, h1 = tp_share(H, tp_group, "num_heads", owner)
+        size = H // (h1 - h0)
+        if Hkv % size == 0:
+            k0, k1 = tp_share(Hkv, tp_group, "num_kv_heads", owner)
+        elif size % Hkv == 0:  # fewer KV heads than ranks: each rank keeps the one its query heads read
+            k0 = h0 // (H // Hkv)
+            k1 = k0 + 1
+        else:
+            raise ValueError(f"{owner}: num_kv_heads={Hkv} is neither divisible by nor a divisor of the "
+                             f"tensor-parallel size {size}")
+        with torch.no_grad():
+            self.q_proj = _rows(self.q_proj, h0 * D, h1 * D)
+            self.k_proj = _rows(self.k_proj, k0 * D, k1 * D)
+            self.v_proj = _rows(self.v_proj, k0 * D, k1 * D)
+            self.o_proj = _columns(self.o_proj, h0 * D, h1 * D)
+        self.kv = self.kv.new_zeros(2, self.num_slots + 1, self.max_len, k1 - k0, D)
+        self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0
+        self.tp_group = tp_group
+        return self
+
     def forward(self, x: torch.Tensor, rows: RowLayout) -> torch.Tensor:
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -100,18 +146,55 @@ class StaticKVAttention(nn.Module):
         o = o.transpose(1, 2).reshape(B * Wm, H * D)
         out = x.new_zeros(T + 1, H * D)
         out.index_copy_(0, torch.where(rows.valid.reshape(-1), idx, torch.full_like(idx, T)), o)
-        return self.o_proj(out[:T])
+        y = self.o_proj(out[:T])
+        if self.tp_group is not None:  # row-parallel o_proj: the ranks' partial sums
+            all_reduce_(y, self.tp_group)
+        return y
+
+
+def _rows(lin: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """A new bias-free ``nn.Linear`` holding output rows ``[start, stop)`` of ``lin`` (column-parallel)."""
+    new = nn.Linear(lin.in_features, stop - start, bias=False, device=lin.weight.device, dtype=lin.weight.dtype)
+    new.weight.copy_(lin.weight[start:stop])
+    return new
+
+
+def _columns(lin: nn.Linear, start: int, stop: int) -> nn.Linear:
+    """A new bias-free ``nn.Linear`` holding input columns ``[start, stop)`` of ``lin`` (row-parallel)."""
+    new = nn.Linear(stop - start, lin.out_features, bias=False, device=lin.weight.device, dtype=lin.weight.dtype)
+    new.weight.copy_(lin.weight[:, start:stop])
+    return new
 
 
 class _MLP(nn.Module):
+    tp_group = None
+
     def __init__(self, hidden, intermediate, **kw):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False, **kw)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **kw)
 
+    def shard_(self, tp_group) -> _MLP:
+        """Keep intermediate channels ``[r I/P, (r+1) I/P)``: rows of ``gate_proj`` / ``up_proj``
+        (column-parallel), input columns of ``down_proj`` (row-parallel, one all-reduce).
+
+        Raises:
+            ValueError: ``intermediate_size`` not divisible by the group's size.
+        """
+        i0, i1 = tp_share(self.gate_proj.out_features, tp_group, "intermediate_size", "DecoderStack MLP")
+        with torch.no_grad():
+            self.gate_proj = _rows(self.gate_proj, i0, i1)
+            self.up_proj = _rows(self.up_proj, i0, i1)
+            self.down_proj = _columns(self.down_proj, i0, i1)
+        self.tp_group = tp_group
+        return self
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.tp_group is not None:
+            all_reduce_(y, self.tp_group)
+        return y
 
 
 class DecoderStack(nn.Module):
@@ -128,16 +211,25 @@ class DecoderStack(nn.Module):
             ``>= max_len`` is written to the sink slot and its attention is wrong, silently.
         num_slots: requests the KV buffers hold (the state pool's ``num_slots``).
         device, dtype: of the parameters and KV buffers.
+        tp_group: a ``torch.distributed`` process group: tensor parallelism over its ``P``
+            ranks. The full layers are built, then each rank keeps its share (:meth:`shard_`).
+            A later :meth:`randomize` draws the shards' own values, so to compare a sharded
+            stack with the unsharded one, randomize the full stack with the same seed on every
+            rank, then shard it: ``DecoderStack(...).randomize(seed).shard_(group)``. ``None``
+            (default): every head is local, nothing changes.
 
     ``forward(input_ids [T] int64, metadata, pool) -> logits [T, vocab]`` (fp32). Tokens
     outside every window get logits too (from garbage); nothing reads them.
+
+    Raises:
+        ValueError: with ``tp_group``, a width not divisible by the group's size (see :meth:`shard_`).
     """
 
     def __init__(self, vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
                  intermediate_size: int = 128, num_k_heads: int = 2, num_v_heads: int = 4,
                  head_k_dim: int = 16, head_v_dim: int = 16, conv_kernel_size: int = 4,
                  num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16, max_len: int = 512,
-                 num_slots: int = 8, device=None, dtype=None):
+                 num_slots: int = 8, device=None, dtype=None, tp_group=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.embed = nn.Embedding(vocab_size, hidden_size, **kw)
@@ -154,6 +246,32 @@ class DecoderStack(nn.Module):
         self.mlps = nn.ModuleList(_MLP(hidden_size, intermediate_size, **kw) for _ in range(num_layers))
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6, **kw)
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False, **kw)
+        self.tp_group = None
+        if tp_group is not None:
+            self.shard_(tp_group)
+
+    def shard_(self, tp_group) -> DecoderStack:
+        """Keep this rank's share of every layer, in place (tensor parallelism); returns ``self``.
+
+        GDN layers: :meth:`ssm_spec.RecoverGatedDeltaNet.shard_` (key / value heads, their
+        projection rows and conv channels; ``out_proj`` row-parallel with one all-reduce).
+        Attention: :meth:`StaticKVAttention.shard_` (query and KV heads; ``o_proj`` row-parallel,
+        one all-reduce). MLPs: gate / up column-parallel, down row-parallel, one all-reduce.
+        Embedding, norms and LM head stay whole on every rank, so every rank computes the same
+        logits ``[T, vocab]``. Shard before making the :class:`~ssm_spec.StatePool` (it sizes
+        its states from the layers' head counts).
+
+        Raises:
+            ValueError: a width not divisible by the group's size (``num_k_heads``,
+                ``num_v_heads``, ``num_heads``, ``intermediate_size``; ``num_kv_heads`` neither
+                divisible by nor a divisor of it), named; or the stack already sharded.
+        """
+        if self.tp_group is not None:
+            raise ValueError("DecoderStack.shard_: the stack is already sharded")
+        for layer in list(self.mixers) + list(self.mlps):
+            layer.shard_(tp_group)
+        self.tp_group = tp_group
+        return self
 
     def recurrent_layers(self) -> list[nn.Module]:
         """The layers a :class:`~ssm_spec.StatePool` must hold."""
