@@ -352,6 +352,20 @@ def ratio(tps: dict, a: str, b: str) -> float | None:
     return tps[a] / tps[b] if a in tps and b in tps else None
 
 
+def model_config(args) -> tuple[dict, dict]:
+    """``(config, init)`` keyword arguments of :func:`ssm_spec.hf.tiny_model` for the width and
+    weight-scale options (``--hidden``, ``--layers``, ..., ``--std``, ``--embed-std``,
+    ``--residual-scale``; the expert widths for the ``*_moe`` kinds)."""
+    cfg = dict(hidden_size=args.hidden, num_layers=args.layers, linear_num_key_heads=args.key_heads,
+               linear_num_value_heads=args.value_heads, linear_head_dim=args.head_dim,
+               num_attention_heads=args.attn_heads, num_key_value_heads=args.kv_heads,
+               head_dim=args.attn_head_dim, intermediate_size=args.intermediate)
+    if is_moe(args.kind):
+        cfg.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_token,
+                   moe_intermediate_size=args.moe_intermediate, shared_expert_intermediate_size=args.moe_intermediate)
+    return cfg, dict(std=args.std, embed_std=args.embed_std, residual_scale=args.residual_scale)
+
+
 def run(args) -> dict:
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
     from ssm_spec.hf.apply import cache_kwarg
@@ -366,14 +380,7 @@ def run(args) -> dict:
     N = args.new_tokens
     t_start = time.perf_counter()
 
-    cfg = dict(hidden_size=args.hidden, num_layers=args.layers, linear_num_key_heads=args.key_heads,
-               linear_num_value_heads=args.value_heads, linear_head_dim=args.head_dim,
-               num_attention_heads=args.attn_heads, num_key_value_heads=args.kv_heads,
-               head_dim=args.attn_head_dim, intermediate_size=args.intermediate)
-    if is_moe(args.kind):
-        cfg.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_token,
-                   moe_intermediate_size=args.moe_intermediate, shared_expert_intermediate_size=args.moe_intermediate)
-    init = dict(std=args.std, embed_std=args.embed_std, residual_scale=args.residual_scale)
+    cfg, init = model_config(args)
     with phases("build"):
         model = tiny_model(args.kind, seed=args.seed, dtype=dtype, **init, **cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())

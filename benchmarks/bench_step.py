@@ -89,11 +89,64 @@ def forced_tokens(window: torch.Tensor, accepted: torch.Tensor, vocab: int) -> t
 
 
 @torch.no_grad()
+def time_mode(stack, model: PatternForced, mode: str, k: int, acc: torch.Tensor, args, tick) -> list[dict]:
+    """Capture the step of ``model`` (``stack`` under :class:`PatternForced`) with a fresh pool
+    of ``mode`` (:data:`POOL_MODES`) and draft count ``k``, then time ``args.steps`` replays
+    (after ``args.warmup``) at each concurrency in ``args.batches``, row ``b`` of step ``s``
+    accepting ``acc[s, b]`` drafts (``acc``: ``[steps + warmup, max batch]`` int64, from
+    :func:`pattern`). Returns one row per batch: ``step_ms`` (median, ms), ``tokens_per_step``,
+    ``tokens_per_s``, ``capture_s`` (s), ``timing`` (``cuda-graph`` or ``eager``).
+
+    Raises:
+        AssertionError: the step did not accept what the pattern forces (checked once per batch).
+    """
+    dev = model.forced.device
+    V = stack.lm_head.out_features
+    bmax, W = max(args.batches), k + 1
+    pool = StatePool(stack.recurrent_layers(), num_slots=bmax, max_tokens=bmax * W, device=dev,
+                     dtype=getattr(torch, args.state_dtype), max_window=W, **POOL_MODES[mode])
+    gen = torch.Generator().manual_seed(args.seed)
+    for state, _ in pool.gdn_groups.values():  # a live state, the same for every mode
+        state[:, :bmax].copy_(torch.randn(state[:, :bmax].shape, generator=gen) * 0.05)
+    runner = SpecDecodeGraphRunner(model, pool, k, V, buckets=args.batches)
+    t0 = time.perf_counter()
+    runner.capture()
+    capture_s = time.perf_counter() - t0
+    rows = []
+    for B in args.batches:
+        window = torch.randint(0, V, (B, W), generator=gen).to(dev)
+        lens = torch.full((B,), W, dtype=torch.int32, device=dev)
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+        nct = torch.full((B,), args.prompt_len, dtype=torch.int32, device=dev)
+        times, counts = [], []
+        for s in range(args.warmup + args.steps):
+            a = acc[s, :B].to(dev)
+            model.forced[: B * W].copy_(forced_tokens(window, a, V))
+            t_start = tick()
+            _, n = runner.step(window, lens, slots, nct, validate=False)
+            t_end = tick()
+            if s >= args.warmup:
+                times.append(t_end - t_start)
+                counts.append(n.sum().item())
+            if s == args.warmup:  # the pattern holds (checked once, outside the timing)
+                assert torch.equal(n.cpu().long(), acc[s, :B] + 1), (mode, k, B)
+        ms = 1e3 * statistics.median(times)
+        rows.append({"k": k, "W": W, "batch": B, "mode": mode, "step_ms": ms,
+                     "tokens_per_step": statistics.mean(counts),
+                     "tokens_per_s": statistics.mean(counts) / (ms / 1e3),
+                     "capture_s": capture_s, "timing": "cuda-graph" if runner.graphs else "eager"})
+        print(f"k={k} B={B:4d} {mode:<11} {ms:8.3f} ms/step  {rows[-1]['tokens_per_s']:10.1f} tok/s", flush=True)
+    del runner, pool
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+@torch.no_grad()
 def run(args) -> dict:
     dev = torch.device(args.device)
     widths = TINY_WIDTHS if args.quick else REALISTIC_WIDTHS
     dtype = getattr(torch, args.dtype)
-    V = widths["vocab_size"]
     bmax = max(args.batches)
     wmax = max(args.k) + 1
     stack = DecoderStack(**widths, max_len=args.prompt_len + 2 * wmax, num_slots=bmax, device=dev, dtype=dtype)
@@ -102,45 +155,9 @@ def run(args) -> dict:
     tick = Clock(dev)
     rows = []
     for k in args.k:
-        W = k + 1
         acc = pattern(args.steps + args.warmup, bmax, k, args.alpha, args.seed)
         for mode in args.modes:
-            pool = StatePool(stack.recurrent_layers(), num_slots=bmax, max_tokens=bmax * W, device=dev,
-                             dtype=getattr(torch, args.state_dtype), max_window=W, **POOL_MODES[mode])
-            gen = torch.Generator().manual_seed(args.seed)
-            for state, _ in pool.gdn_groups.values():  # a live state, the same for every mode
-                state[:, :bmax].copy_(torch.randn(state[:, :bmax].shape, generator=gen) * 0.05)
-            runner = SpecDecodeGraphRunner(model, pool, k, V, buckets=args.batches)
-            t0 = time.perf_counter()
-            runner.capture()
-            capture_s = time.perf_counter() - t0
-            for B in args.batches:
-                window = torch.randint(0, V, (B, W), generator=gen).to(dev)
-                lens = torch.full((B,), W, dtype=torch.int32, device=dev)
-                slots = torch.arange(B, dtype=torch.int32, device=dev)
-                nct = torch.full((B,), args.prompt_len, dtype=torch.int32, device=dev)
-                times, counts = [], []
-                for s in range(args.warmup + args.steps):
-                    a = acc[s, :B].to(dev)
-                    model.forced[: B * W].copy_(forced_tokens(window, a, V))
-                    t_start = tick()
-                    _, n = runner.step(window, lens, slots, nct, validate=False)
-                    t_end = tick()
-                    if s >= args.warmup:
-                        times.append(t_end - t_start)
-                        counts.append(n.sum().item())
-                    if s == args.warmup:  # the pattern holds (checked once, outside the timing)
-                        assert torch.equal(n.cpu().long(), acc[s, :B] + 1), (mode, k, B)
-                ms = 1e3 * statistics.median(times)
-                rows.append({"k": k, "W": W, "batch": B, "mode": mode, "step_ms": ms,
-                             "tokens_per_step": statistics.mean(counts),
-                             "tokens_per_s": statistics.mean(counts) / (ms / 1e3),
-                             "capture_s": capture_s, "timing": "cuda-graph" if runner.graphs else "eager"})
-                print(f"k={k} B={B:4d} {mode:<11} {ms:8.3f} ms/step  {rows[-1]['tokens_per_s']:10.1f} tok/s",
-                      flush=True)
-            del runner, pool
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            rows += time_mode(stack, model, mode, k, acc, args, tick)
     for r in rows:
         base = next((x for x in rows if x["k"] == r["k"] and x["batch"] == r["batch"] and x["mode"] == "snapshot"),
                     None)
