@@ -1,6 +1,7 @@
 """The benchmark scripts run (CPU smoke mode: tiny widths; the numbers mean nothing here), as
 ``benchmarks/README.md`` documents them, and never touch the committed results."""
 
+import importlib.util
 import json
 import re
 import shlex
@@ -21,27 +22,35 @@ CHEAPER = {
     "bench_hf_generate.py": ["--new-tokens", "4", "--warmup-tokens", "4", "--repeats", "1",
                              "--forward-reps", "1", "--forward-warmup", "0", "--no-hf-torch",
                              "--prompt-repeats", "1", "--no-graphs"],
+    "bench_hf_tp.py": ["--new-tokens", "16", "--warmup-tokens", "4", "--repeats", "1"],
 }
 
 
-def documented_cpu_smoke_commands() -> dict[str, list[str]]:
-    """``{script: argv}`` for each ``python benchmarks/<script> ... --device cpu ...`` line in
-    benchmarks/README.md's code blocks (the comment after ``#`` dropped)."""
+def documented_cpu_smoke_commands() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``({script: argv}, {script: launcher argv})`` for each ``python benchmarks/<script> ...
+    --device cpu ...`` or ``torchrun --nproc-per-node N benchmarks/<script> ... --device cpu ...``
+    line in benchmarks/README.md's code blocks (the comment after ``#`` dropped). The launcher is
+    ``[python]`` or ``[python, -m, torch.distributed.run, --standalone, --nproc-per-node, N]``
+    (``--standalone``: a free rendezvous port, so parallel runs do not collide)."""
     text = (ROOT / "benchmarks" / "README.md").read_text()
-    commands = {}
+    commands, launchers = {}, {}
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
-            m = re.match(r"python benchmarks/(bench_\w+\.py)\b([^#]*)", line.strip())
-            if m and "--device cpu" in m.group(2):
-                commands[m.group(1)] = shlex.split(m.group(2))
-    return commands
+            m = re.match(r"(python|torchrun --nproc-per-node (\d+)) benchmarks/(bench_\w+\.py)\b([^#]*)", line.strip())
+            if m and "--device cpu" in m.group(4):
+                commands[m.group(3)] = shlex.split(m.group(4))
+                launchers[m.group(3)] = [sys.executable] + (
+                    ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", m.group(2)] if m.group(2) else [])
+    return commands, launchers
 
 
-COMMANDS = documented_cpu_smoke_commands()
+COMMANDS, LAUNCHERS = documented_cpu_smoke_commands()
 
 
 def test_every_benchmark_documents_a_cpu_smoke_command():
-    assert set(COMMANDS) == {"bench_ops.py", "bench_step.py", "bench_hf_generate.py"}, COMMANDS
+    assert set(COMMANDS) == {"bench_ops.py", "bench_step.py", "bench_hf_generate.py", "bench_step_tp.py",
+                             "bench_hf_tp.py"}, COMMANDS
+    assert LAUNCHERS["bench_step_tp.py"][-2:] == LAUNCHERS["bench_hf_tp.py"][-2:] == ["--nproc-per-node", "2"]
 
 
 def git_status_results() -> str | None:
@@ -59,7 +68,7 @@ def run_documented(script: str) -> Path:
     before = git_status_results()
     if before is None:
         pytest.skip("not a git checkout")
-    argv = [sys.executable, f"benchmarks/{script}", *COMMANDS[script], *CHEAPER.get(script, [])]
+    argv = [*LAUNCHERS[script], f"benchmarks/{script}", *COMMANDS[script], *CHEAPER.get(script, [])]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert git_status_results() == before, "a smoke run changed benchmarks/results"
@@ -79,6 +88,52 @@ def test_bench_step_smoke_run():
         for B in res["config"]["batches"]:
             per_mode = {r["mode"]: r["tokens_per_step"] for r in res["rows"] if r["k"] == k and r["batch"] == B}
             assert len(set(per_mode.values())) == 1, per_mode
+
+
+def test_bench_step_tp_smoke_run_and_merge(tmp_path):
+    """``torchrun --nproc-per-node 2`` (gloo, tiny widths, eager): rank 0 writes the TP 2 JSON
+    (both modes, every batch, each rank's time, the same tokens per step in both modes); with a
+    TP 1 run (plain ``python``) beside it, ``--merge`` gives the TP-2 / TP-1 ratio of every cell
+    and a plot; ``--save`` of a smoke merge is refused."""
+    res = json.loads(run_documented("bench_step_tp.py").read_text())
+    assert res["tp"] == 2 and res["backend"] == "gloo" and res["config"]["quick"]
+    assert {r["mode"] for r in res["rows"]} == {"recoverssm", "folded"}
+    assert {r["batch"] for r in res["rows"]} == set(res["config"]["batches"])
+    assert all(len(r["step_ms_ranks"]) == 2 and r["step_ms"] == max(r["step_ms_ranks"]) for r in res["rows"])
+    for B in res["config"]["batches"]:
+        assert len({r["tokens_per_step"] for r in res["rows"] if r["batch"] == B}) == 1
+    (tmp_path / res_name(res)).write_text(json.dumps(res))
+    one = [sys.executable, "benchmarks/bench_step_tp.py", "--device", "cpu", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(one, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    merge = [sys.executable, "benchmarks/bench_step_tp.py", "--merge", str(tmp_path), "--out-dir", str(tmp_path)]
+    proc = subprocess.run(merge, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    merged = json.loads((tmp_path / "bench_step_tp_quick_float32.json").read_text())
+    assert merged["tp_sizes"] == [1, 2]
+    for r in merged["rows"]:
+        assert r["over_tp1"] == (1.0 if r["tp"] == 1 else pytest.approx(r["step_ms"] / next(
+            b["step_ms"] for b in merged["rows"] if b["tp"] == 1 and (b["mode"], b["batch"]) == (r["mode"], r["batch"]))))
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "bench_step_tp_quick_float32.png").stat().st_size > 0
+    proc = subprocess.run([*merge[:-2], "--save"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--save" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+def res_name(res: dict) -> str:
+    return f"bench_step_tp{res['tp']}_quick_{res['config']['state_dtype']}.json"
+
+
+def test_bench_hf_tp_smoke_run():
+    """``torchrun --nproc-per-node 2`` (gloo, tiny widths, fp32): both ranks' greedy tokens, plain
+    and with prompt lookup, equal rank 0's unsharded reference, each rank holding half the heads."""
+    pytest.importorskip("transformers")
+    res = json.loads(run_documented("bench_hf_tp.py").read_text())
+    assert res["tp"] == 2 and res["config"]["dtype"] == "float32" and res["config"]["quick"]
+    assert res["equal_to_tp1"] == {"plain": [True, True], "lookup": [True, True]} and res["ranks_agree"]
+    assert res["config"]["value_heads_per_rank"] * 2 == res["config"]["linear_num_value_heads"]
+    assert len(res["tpN"]["plain"]["tokens"]) == res["config"]["new_tokens"]
+    assert res["tpN"]["lookup"]["tokens_per_s"] > 0 and res["tp1"]["lookup"]["tokens_per_s"] > 0
 
 
 def test_bench_ops_smoke_run():
