@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [tp]     (default: tests bench)
 #   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
 #   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit)
+#   tp (2 or more GPUs): the NCCL tensor-parallel tests, the captured step at TP 1 and N and its
+#   plot, Hugging Face generate at TP N, for N in TP_SIZES (default: 2 and 4, those the machine
+#   has); TP_TESTS=0 skips the tests; all of it in $OUT/tp/ (JSON and PNG ready to commit to
+#   benchmarks/results/tp/, the logs in logs.tar.gz). NCCL variables are left as the machine sets them.
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
@@ -153,6 +157,36 @@ for part in $PARTS; do
         rc=$?
         summary+=("sanitize $tool [$([ $rc -eq 0 ] && echo ok || echo "FAILED rc $rc")]: $(grep -E "ERROR SUMMARY|sanitize_kernels:" "$OUT/sanitize_$tool.log" | tr '\n' ' ')")
       done
+      ;;
+    tp)  # issue 18: tensor parallelism over NCCL, one process per GPU
+      ngpu=$(nvidia-smi -L | wc -l)
+      sizes=""
+      for n in ${TP_SIZES:-2 4}; do [ "$ngpu" -ge "$n" ] && sizes="$sizes $n"; done
+      if [ -z "$sizes" ]; then summary+=("tp: skipped ($ngpu GPU(s); needs 2 or more)"); continue; fi
+      tp="$OUT/tp"; mkdir -p "$tp/logs"
+      run_tp() {  # N script args...: one process (N = 1) or torchrun over N GPUs; the environment as it is
+        local n=$1; shift
+        if [ "$n" -eq 1 ]; then python3 "$@"; else python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$@"; fi
+      }
+      if [ "${TP_TESTS:-1}" != 0 ]; then
+        ${GPU_TEST_TIMEOUT:+timeout "$GPU_TEST_TIMEOUT"} python3 -m pytest -q -p no:cacheprovider -m gpu \
+          tests/test_tensor_parallel.py > "$tp/logs/tests.log" 2>&1
+        summary+=("tp tests ($ngpu GPUs): $(tail -n 1 "$tp/logs/tests.log")")
+        grep -E "^(FAILED|ERROR)" "$tp/logs/tests.log" | head -n 20
+      fi
+      for n in 1 $sizes; do
+        run_tp "$n" benchmarks/bench_step_tp.py --out-dir "$tp" ${BENCH_STEP_TP_ARGS:-} > "$tp/logs/bench_step_tp$n.log" 2>&1
+        rc=$?
+        summary+=("tp step TP $n [rc $rc]: $(grep -cE '^ *[0-9]+ +[0-9]+ \|' "$tp/logs/bench_step_tp$n.log") rows")
+      done
+      for n in $sizes; do
+        run_tp "$n" benchmarks/bench_hf_tp.py --out-dir "$tp" ${BENCH_HF_TP_ARGS:-} > "$tp/logs/bench_hf_tp$n.log" 2>&1
+        rc=$?
+        summary+=("tp hf TP $n [rc $rc]: $(grep -E '^(plain|lookup) ' "$tp/logs/bench_hf_tp$n.log" | tr -s ' ' | tr '\n' ';')")
+      done
+      python3 benchmarks/bench_step_tp.py --merge "$tp" --out-dir "$tp" > "$tp/logs/merge.log" 2>&1
+      summary+=("tp merge: $(grep -E 'TP [0-9]+:' "$tp/logs/merge.log" | grep -v 'TP 1:' | awk '{print $1,$2,$3$4,$5,$6,$(NF)}' | tr '\n' ';')")
+      tar -C "$tp" -czf "$tp/logs.tar.gz" logs && rm -rf "$tp/logs"
       ;;
     bench-bf16)
       python3 benchmarks/bench_ops.py --state-dtype bfloat16 --out-dir "$OUT" 2>&1 | tee "$OUT/bench_bf16.log"
