@@ -124,6 +124,7 @@ def test_sharded_decoder_stack_decodes_like_the_unsharded_stack(backend, world, 
         assert int(accepted) > 0, (r, text)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_sharded_decoder_stack_capture_replays_its_eager_step_bit_for_bit(world, batch, tmp_path):
