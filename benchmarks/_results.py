@@ -36,9 +36,10 @@ def add_out_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_out_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke: bool) -> None:
-    """Set ``args.out_dir``: ``--out-dir`` as given, ``--save`` the committed results folder
-    (refused for a smoke run: ``smoke`` is a CPU or ``--quick`` run, whose numbers mean nothing),
-    else the git-ignored default."""
+    """Set ``args.out_dir``: ``--out-dir`` as given, ``--save`` the committed results folder,
+    else the git-ignored default. A smoke run (``smoke``: a CPU or ``--quick`` run, whose numbers
+    mean nothing) may not write into the committed results, by ``--save`` or by an ``--out-dir``
+    inside them (usage error, exit status 2)."""
     if args.save:
         if smoke:
             p.error(f"--save writes the committed results in {RESULTS_DIR}; a CPU or --quick "
@@ -46,6 +47,9 @@ def resolve_out_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke:
         args.out_dir = RESULTS_DIR
     elif args.out_dir is None:
         args.out_dir = DEFAULT_OUT_DIR
+    elif smoke and Path(args.out_dir).resolve().is_relative_to(RESULTS_DIR):
+        p.error(f"--out-dir {args.out_dir} is inside the committed results ({RESULTS_DIR}); a CPU or "
+                "--quick smoke run must not write there")
 
 
 def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:

@@ -157,6 +157,35 @@ def test_save_is_refused_for_a_smoke_run(script):
     assert proc.returncode == 2 and "--save" in proc.stderr.splitlines()[-1], proc.stderr
 
 
+@pytest.mark.parametrize("script", ["bench_ops.py", "bench_step.py", "bench_hf_generate.py"])
+def test_smoke_run_cannot_write_into_the_committed_results_by_out_dir(script):
+    """``--out-dir`` inside ``benchmarks/results/`` (the folder or below it) is refused for a smoke
+    run as ``--save`` is, before anything runs: nothing is written there."""
+    before = sorted(p.name for p in (ROOT / RESULTS).rglob("*"))
+    for target in (RESULTS, f"{RESULTS}/demo_cpu"):
+        argv = [sys.executable, f"benchmarks/{script}", "--device", "cpu", "--out-dir", target]
+        if script != "bench_ops.py":
+            argv.insert(4, "--quick")
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "inside the committed results" in proc.stderr.splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in (ROOT / RESULTS).rglob("*")) == before
+
+
+def test_trained_pair_on_the_cpu_is_a_measurement_not_a_smoke_run(capsys):
+    """``--model demo --device cpu`` (CPU numbers the demo issue asks for) may write the committed
+    results; the same run with ``--quick`` may not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+    from ssm_spec.assets import demo_available
+
+    if not demo_available():
+        pytest.skip("this build carries no demo pair")
+    args = bench.parse_args(["--model", "demo", "--device", "cpu", "--out-dir", f"{ROOT / RESULTS}/demo_cpu"])
+    assert args.out_dir == ROOT / RESULTS / "demo_cpu"
+    assert "inside the committed results" in _bench_hf_parse(["--model", "demo", "--out-dir", str(ROOT / RESULTS)],
+                                                              capsys)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl"])
 def test_bench_hf_generate_runs_every_published_class(tmp_path, kind):
     """The expert and vision-language kinds run the whole benchmark (CPU, tiny widths) and name
