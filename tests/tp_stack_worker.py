@@ -128,8 +128,9 @@ def _decoder_stack(rank: int, world: int, steps: int, device) -> str:
             worst = max(worst, _rel(models[0].logits, models[1].logits))
             same &= all(torch.equal(a, b) for a, b in zip(*outs))
             mine = torch.cat([outs[1][0].flatten(), outs[1][1].long()])
-            ranks = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(ranks, mine.to(device) if dist.get_backend() == "nccl" else mine)
+            sent = mine.to(device)  # NCCL gathers into CUDA tensors only: the outputs on the rank's device too
+            ranks = [torch.empty_like(sent) for _ in range(world)]
+            dist.all_gather(ranks, sent)
             agree &= all(torch.equal(r.cpu(), mine) for r in ranks)
             tokens, counts = outs[0]
             accepted += int(counts.sum()) - B
