@@ -5,6 +5,7 @@ than ranks), and the sharded ``DecoderStack``'s captured step against its eager 
 
 import multiprocessing as mp
 import socket
+import time
 
 import pytest
 import torch
@@ -39,11 +40,13 @@ def _spawn(world, steps, tmp_path, target=None, arg=None, prefix="rank", backend
              for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + TIMEOUT_S  # for the whole group: a join per rank would wait world x TIMEOUT_S
     for p in procs:
-        p.join(TIMEOUT_S)
+        p.join(max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.terminate()
+        p.join(10)
     assert not alive, f"{len(alive)} rank(s) did not finish in {TIMEOUT_S} s"
     return [(tmp_path / f"{prefix}{r}.txt").read_text() for r in range(world)]
 
@@ -172,3 +175,19 @@ def test_decoder_stack_widths_not_divisible_by_the_tp_size_raise(tmp_path):
     finally:
         tp.dist.get_world_size, tp.dist.get_rank = orig
         dist.destroy_process_group()
+
+
+def test_a_hung_group_is_given_up_after_the_timeout_in_all(tmp_path):
+    """Every rank stuck (a collective that never completes): ``_spawn`` gives the group up after
+    ``TIMEOUT_S`` in all, not ``TIMEOUT_S`` per rank (3 ranks: 3x as long), so one hung NCCL test
+    cannot eat the GPU run's time several times over."""
+    global TIMEOUT_S
+    saved, TIMEOUT_S = TIMEOUT_S, 4
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AssertionError, match="3 rank"):
+            _spawn(3, None, tmp_path, target=tp_worker.sleep_run, arg=120)
+        elapsed = time.monotonic() - t0
+    finally:
+        TIMEOUT_S = saved
+    assert elapsed < 9, elapsed

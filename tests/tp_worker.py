@@ -8,6 +8,7 @@ in Triton)."""
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import torch
@@ -160,3 +161,8 @@ def _hf(kind: str, device="cpu") -> str:
         layer = next(m for m in model.modules() if hasattr(m, "engine_forward"))
         got = model.generate(ids, max_new_tokens=48, do_sample=False, prompt_lookup_num_tokens=3)
     return f"ok {int(torch.equal(got, want))} {layer.num_v_heads}"
+
+
+def sleep_run(rank: int, world: int, port: int, seconds: float, result_dir: str, backend: str = "gloo") -> None:
+    """A rank that hangs for ``seconds`` (no group): the test of ``_spawn``'s time bound."""
+    time.sleep(seconds)
