@@ -7,8 +7,10 @@
 #   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit)
 #   tp (2 or more GPUs): the NCCL tensor-parallel tests, the captured step at TP 1 and N and its
 #   plot, Hugging Face generate at TP N, for N in TP_SIZES (default: 2 and 4, those the machine
-#   has); TP_TESTS=0 skips the tests; all of it in $OUT/tp/ (JSON and PNG ready to commit to
-#   benchmarks/results/tp/, the logs in logs.tar.gz). NCCL variables are left as the machine sets them.
+#   has); TP_TESTS=0 skips the tests; all of it in $OUT/tp/ (the merged step JSON and PNG and the
+#   HF JSON per TP size, ready to commit to benchmarks/results/tp/; each step run's JSON and the logs
+#   in runs.tar.gz: 5 files with TP 2 and 4, 7 with gpu.txt and triton_autotune.tar.gz, within the
+#   device tool's 8). NCCL variables are left as the machine sets them.
 # Writes logs and benchmark JSON/PNG under $OUT and prints a short table last.
 # fp32 exactness is compared with IEEE fp32 dots (TRITON_F32_DEFAULT=ieee; the test
 # conftest also turns cuDNN/cuBLAS TF32 off).
@@ -186,7 +188,9 @@ for part in $PARTS; do
       done
       python3 benchmarks/bench_step_tp.py --merge "$tp" --out-dir "$tp" > "$tp/logs/merge.log" 2>&1
       summary+=("tp merge: $(grep -E 'TP [0-9]+:' "$tp/logs/merge.log" | grep -v 'TP 1:' | awk '{print $1,$2,$3$4,$5,$6,$(NF)}' | tr '\n' ';')")
-      tar -C "$tp" -czf "$tp/logs.tar.gz" logs && rm -rf "$tp/logs"
+      # the device tool returns at most 8 files in all, gpu.txt and triton_autotune.tar.gz among them:
+      # the step runs' own JSON (what the merge drew) go into runs.tar.gz with the logs
+      (cd "$tp" && runs=$(ls bench_step_tp[0-9]*_*.json 2>/dev/null); tar -czf runs.tar.gz logs $runs && rm -rf logs $runs)
       ;;
     bench-bf16)
       python3 benchmarks/bench_ops.py --state-dtype bfloat16 --out-dir "$OUT" 2>&1 | tee "$OUT/bench_bf16.log"
