@@ -166,23 +166,38 @@ for part in $PARTS; do
       for n in ${TP_SIZES:-2 4}; do [ "$ngpu" -ge "$n" ] && sizes="$sizes $n"; done
       if [ -z "$sizes" ]; then summary+=("tp: skipped ($ngpu GPU(s); needs 2 or more)"); continue; fi
       tp="$OUT/tp"; mkdir -p "$tp/logs"
-      run_tp() {  # N script args...: one process (N = 1) or torchrun over N GPUs; the environment as it is
-        local n=$1; shift
-        if [ "$n" -eq 1 ]; then python3 "$@"; else python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$@"; fi
+      # The device tool's call ends at 600 s, and at the defaults this part is about that long (tests
+      # 3-5 min, step runs 2 min, HF runs 4-5 min, estimated): no command of it starts after TP_END_S
+      # seconds of this script (default 540) and each is cut there, so the merge, the archive and the
+      # summary always happen. GPU_TEST_TIMEOUT (seconds) bounds the tests further.
+      tp_end=${TP_END_S:-540}
+      tp_timed() {  # LOG LIMIT cmd...: cmd's output into LOG, at most LIMIT s (0: no own limit) and never past tp_end
+        local log=$1 limit=$2 left=$(( tp_end - SECONDS )); shift 2
+        if [ "$limit" -gt 0 ] && [ "$limit" -lt "$left" ]; then left=$limit; fi
+        if [ "$left" -lt 20 ]; then echo "not started: out of time (TP_END_S=$tp_end)" > "$log"; return 125; fi
+        timeout --kill-after=15 "$left" "$@" > "$log" 2>&1
+      }
+      tp_launch() {  # N: the launcher of N processes (N = 1: plain python3), the environment as it is
+        if [ "$1" -eq 1 ]; then echo python3; else echo "python3 -m torch.distributed.run --standalone --nproc-per-node $1"; fi
       }
       if [ "${TP_TESTS:-1}" != 0 ]; then
-        ${GPU_TEST_TIMEOUT:+timeout "$GPU_TEST_TIMEOUT"} python3 -m pytest -q -p no:cacheprovider -m gpu \
-          tests/test_tensor_parallel.py > "$tp/logs/tests.log" 2>&1
-        summary+=("tp tests ($ngpu GPUs): $(tail -n 1 "$tp/logs/tests.log")")
+        tp_timed "$tp/logs/tests.log" "${GPU_TEST_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+          tests/test_tensor_parallel.py
+        rc=$?
+        summary+=("tp tests ($ngpu GPUs) [rc $rc]: $(tail -n 1 "$tp/logs/tests.log")")
         grep -E "^(FAILED|ERROR)" "$tp/logs/tests.log" | head -n 20
       fi
       for n in 1 $sizes; do
-        run_tp "$n" benchmarks/bench_step_tp.py --out-dir "$tp" ${BENCH_STEP_TP_ARGS:-} > "$tp/logs/bench_step_tp$n.log" 2>&1
+        # shellcheck disable=SC2046  # the launcher's words
+        tp_timed "$tp/logs/bench_step_tp$n.log" 0 $(tp_launch "$n") benchmarks/bench_step_tp.py --out-dir "$tp" \
+          ${BENCH_STEP_TP_ARGS:-}
         rc=$?
         summary+=("tp step TP $n [rc $rc]: $(grep -cE '^ *[0-9]+ +[0-9]+ \|' "$tp/logs/bench_step_tp$n.log") rows")
       done
       for n in $sizes; do
-        run_tp "$n" benchmarks/bench_hf_tp.py --out-dir "$tp" ${BENCH_HF_TP_ARGS:-} > "$tp/logs/bench_hf_tp$n.log" 2>&1
+        # shellcheck disable=SC2046
+        tp_timed "$tp/logs/bench_hf_tp$n.log" 0 $(tp_launch "$n") benchmarks/bench_hf_tp.py --out-dir "$tp" \
+          ${BENCH_HF_TP_ARGS:-}
         rc=$?
         summary+=("tp hf TP $n [rc $rc]: $(grep -E '^(plain|lookup) ' "$tp/logs/bench_hf_tp$n.log" | tr -s ' ' | tr '\n' ';')")
       done
