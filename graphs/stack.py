@@ -84,6 +84,29 @@ class StaticKVAttention(nn.Module):
 
     tp_group = None
 
+    def shares(self, tp_group) -> tuple[int, int, int, int]:
+        """``(h0, h1, k0, k1)``: the query heads ``[h0, h1)`` and KV heads ``[k0, k1)`` this rank
+        keeps under :meth:`shard_`; changes nothing.
+
+        Raises:
+            ValueError: as :meth:`shard_`.
+        """
+        owner = type(self).__name__
+        if self.tp_group is not None:
+            raise ValueError(f"{owner}.shard_: the layer is already sharded")
+        H, Hkv = self.num_heads, self.num_kv_heads
+        h0, h1 = tp_share(H, tp_group, "num_heads", owner)
+        size = H // (h1 - h0)
+        if Hkv % size == 0:
+            k0, k1 = tp_share(Hkv, tp_group, "num_kv_heads", owner)
+        elif size % Hkv == 0:  # fewer KV heads than ranks: each rank keeps the one its query heads read
+            k0 = h0 // (H // Hkv)
+            k1 = k0 + 1
+        else:
+            raise ValueError(f"{owner}: num_kv_heads={Hkv} is neither divisible by nor a divisor of the "
+                             f"tensor-parallel size {size}")
+        return h0, h1, k0, k1
+
     def shard_(self, tp_group) -> StaticKVAttention:
         """Keep this rank's query heads and KV heads, in place (tensor parallelism); returns ``self``.
 
@@ -98,20 +121,8 @@ class StaticKVAttention(nn.Module):
             ValueError: ``num_heads`` not divisible by the group's size, ``num_kv_heads`` neither
                 divisible by nor a divisor of it, or the layer already sharded.
         """
-        if self.tp_group is not None:
-            raise ValueError("StaticKVAttention.shard_: the layer is already sharded")
-        owner = type(self).__name__
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h0, h1 = tp_share(H, tp_group, "num_heads", owner)
-        size = H // (h1 - h0)
-        if Hkv % size == 0:
-            k0, k1 = tp_share(Hkv, tp_group, "num_kv_heads", owner)
-        elif size % Hkv == 0:  # fewer KV heads than ranks: each rank keeps the one its query heads read
-            k0 = h0 // (H // Hkv)
-            k1 = k0 + 1
-        else:
-            raise ValueError(f"{owner}: num_kv_heads={Hkv} is neither divisible by nor a divisor of the "
-                             f"tensor-parallel size {size}")
+        h0, h1, k0, k1 = self.shares(tp_group)
+        D = self.head_dim
         with torch.no_grad():
             self.q_proj = _rows(self.q_proj, h0 * D, h1 * D)
             self.k_proj = _rows(self.k_proj, k0 * D, k1 * D)
@@ -175,14 +186,22 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, **kw)
 
+    def shares(self, tp_group) -> tuple[int, int]:
+        """``(i0, i1)``: the intermediate channels this rank keeps under :meth:`shard_`; changes
+        nothing. Raises ``ValueError`` as :meth:`shard_`."""
+        if self.tp_group is not None:
+            raise ValueError("DecoderStack MLP.shard_: the layer is already sharded")
+        return tp_share(self.gate_proj.out_features, tp_group, "intermediate_size", "DecoderStack MLP")
+
     def shard_(self, tp_group) -> _MLP:
         """Keep intermediate channels ``[r I/P, (r+1) I/P)``: rows of ``gate_proj`` / ``up_proj``
         (column-parallel), input columns of ``down_proj`` (row-parallel, one all-reduce).
 
         Raises:
-            ValueError: ``intermediate_size`` not divisible by the group's size.
+            ValueError: ``intermediate_size`` not divisible by the group's size, or the layer
+                already sharded.
         """
-        i0, i1 = tp_share(self.gate_proj.out_features, tp_group, "intermediate_size", "DecoderStack MLP")
+        i0, i1 = self.shares(tp_group)
         with torch.no_grad():
             self.gate_proj = _rows(self.gate_proj, i0, i1)
             self.up_proj = _rows(self.up_proj, i0, i1)
@@ -264,10 +283,18 @@ class DecoderStack(nn.Module):
         Raises:
             ValueError: a width not divisible by the group's size (``num_k_heads``,
                 ``num_v_heads``, ``num_heads``, ``intermediate_size``; ``num_kv_heads`` neither
-                divisible by nor a divisor of it), named; or the stack already sharded.
+                divisible by nor a divisor of it), named; or the stack already sharded. Every
+                width is checked before any layer changes: a refused stack stays whole.
         """
         if self.tp_group is not None:
             raise ValueError("DecoderStack.shard_: the stack is already sharded")
+        for layer in list(self.mixers) + list(self.mlps):
+            if isinstance(layer, RecoverGatedDeltaNet):
+                owner = type(layer).__name__
+                tp_share(layer.num_k_heads, tp_group, "num_k_heads", owner)
+                tp_share(layer.num_v_heads, tp_group, "num_v_heads", owner)
+            else:
+                layer.shares(tp_group)
         for layer in list(self.mixers) + list(self.mlps):
             layer.shard_(tp_group)
         self.tp_group = tp_group

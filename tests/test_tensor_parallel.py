@@ -162,6 +162,11 @@ def test_decoder_stack_widths_not_divisible_by_the_tp_size_raise(tmp_path):
                               ({"num_k_heads": 2, "num_v_heads": 4}, "num_k_heads=2 is not divisible")]:
             with pytest.raises(ValueError, match=match):
                 DecoderStack(**{**base, **change}, tp_group=fake)
+            full = DecoderStack(**{**base, **change})  # refused as a whole: no layer cut before the error
+            widths = [p.shape for p in full.parameters()]
+            with pytest.raises(ValueError, match=match):
+                full.shard_(fake)
+            assert [p.shape for p in full.parameters()] == widths and full.tp_group is None
         stack = DecoderStack(**base, tp_group=fake)  # everything divisible by 3
         assert stack.mixers[3].num_heads == 2 and stack.mixers[3].num_kv_heads == 1
         assert stack.mlps[0].gate_proj.out_features == 16 and stack.mlps[0].down_proj.in_features == 16
