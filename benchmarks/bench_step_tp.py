@@ -22,8 +22,9 @@ for a smoke run). ``--merge DIR [DIR ...]`` (no process group) reads every such 
 folders and draws step time vs concurrency per TP size and mode with the ratios TP-N / TP-1
 (``bench_step_tp_<gpu>_<state-dtype>.png``, and the ratios as ``.json``).
 
-``--quick`` (implied by ``--device cpu``) is a smoke run: tiny widths, B 1 and 4, 3 steps,
-eager (no CUDA graphs). Results go to ``benchmarks/out/`` (git-ignored) unless asked otherwise:
+``--quick`` (implied by ``--device cpu``) is a smoke run: tiny widths, B 1 and 4, 3 steps
+(eager on the CPU, where nothing is captured; captured on CUDA as the full run). Results go to
+``benchmarks/out/`` (git-ignored) unless asked otherwise:
 ``--save`` writes ``benchmarks/results/`` (refused for a smoke run), ``--out-dir DIR`` writes DIR.
 
 Usage::
@@ -241,7 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (rank r on cuda:$LOCAL_RANK, NCCL) or cpu (gloo, implies --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny widths, few steps, eager (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="tiny widths, few steps (a smoke run)")
     p.add_argument("--batches", type=ints, default=None, help="concurrencies (default 1,16,64,256; quick: 1,4)")
     p.add_argument("--k", type=ints, default=[3], help="draft counts")
     p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="pool modes to compare")
