@@ -143,13 +143,14 @@ def time_mode(stack, model: PatternForced, mode: str, k: int, acc: torch.Tensor,
 
 
 @torch.no_grad()
-def run(args) -> dict:
-    dev = torch.device(args.device)
+def time_stack(args, dev: torch.device, tp_group=None, before_mode=None) -> tuple[dict, list[dict]]:
+    """Build the stack (``TINY_WIDTHS`` with ``--quick``, else ``REALISTIC_WIDTHS``; sharded over
+    ``tp_group`` when given) and time every ``(k, mode)`` with :func:`time_mode`, calling
+    ``before_mode()`` before each (a barrier across ranks). Returns ``(widths, rows)``."""
     widths = TINY_WIDTHS if args.quick else REALISTIC_WIDTHS
-    dtype = getattr(torch, args.dtype)
-    bmax = max(args.batches)
-    wmax = max(args.k) + 1
-    stack = DecoderStack(**widths, max_len=args.prompt_len + 2 * wmax, num_slots=bmax, device=dev, dtype=dtype)
+    bmax, wmax = max(args.batches), max(args.k) + 1
+    stack = DecoderStack(**widths, max_len=args.prompt_len + 2 * wmax, num_slots=bmax, device=dev,
+                         dtype=getattr(torch, args.dtype), tp_group=tp_group)
     stack.randomize(0).eval()
     model = PatternForced(stack, bmax * wmax, dev)
     tick = Clock(dev)
@@ -157,7 +158,22 @@ def run(args) -> dict:
     for k in args.k:
         acc = pattern(args.steps + args.warmup, bmax, k, args.alpha, args.seed)
         for mode in args.modes:
+            if before_mode is not None:
+                before_mode()
             rows += time_mode(stack, model, mode, k, acc, args, tick)
+    return widths, rows
+
+
+def step_config(args, widths: dict) -> dict:
+    """The results' ``config``: the widths and the step's arguments."""
+    return {**widths, "dtype": args.dtype, "state_dtype": args.state_dtype, "batches": args.batches,
+            "k": args.k, "alpha": args.alpha, "steps": args.steps, "warmup": args.warmup,
+            "prompt_len": args.prompt_len, "modes": args.modes, "quick": args.quick}
+
+
+def run(args) -> dict:
+    dev = torch.device(args.device)
+    widths, rows = time_stack(args, dev)
     for r in rows:
         base = next((x for x in rows if x["k"] == r["k"] and x["batch"] == r["batch"] and x["mode"] == "snapshot"),
                     None)
@@ -165,9 +181,7 @@ def run(args) -> dict:
     return {
         "device": device_name(dev),
         "torch": torch.__version__,
-        "config": {**widths, "dtype": args.dtype, "state_dtype": args.state_dtype, "batches": args.batches,
-                   "k": args.k, "alpha": args.alpha, "steps": args.steps, "warmup": args.warmup,
-                   "prompt_len": args.prompt_len, "modes": args.modes, "quick": args.quick},
+        "config": step_config(args, widths),
         "rows": rows,
     }
 
@@ -215,13 +229,13 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--quick", action="store_true", help="tiny widths, few steps (a smoke run; on CPU by default)")
-    p.add_argument("--batches", type=ints, default=None, help="concurrencies (default 1,4,16,64,256; quick: 1,4)")
-    p.add_argument("--k", type=ints, default=None, help="draft counts (default 1,3,5; quick: 1,3)")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="pool modes to compare")
+def add_step_args(p: argparse.ArgumentParser, *, batches_help: str, k_default, k_help: str, modes) -> None:
+    """The step's arguments this benchmark and ``bench_step_tp.py`` share: ``--batches``, ``--k``,
+    ``--modes`` (default ``modes``), ``--alpha``, ``--steps``, ``--warmup``, ``--prompt-len``,
+    ``--dtype``, ``--state-dtype``, ``--seed``."""
+    p.add_argument("--batches", type=ints, default=None, help=batches_help)
+    p.add_argument("--k", type=ints, default=k_default, help=k_help)
+    p.add_argument("--modes", type=lambda s: s.split(","), default=list(modes), help="pool modes to compare")
     p.add_argument("--alpha", type=float, default=0.7, help="per-draft acceptance rate of the fixed pattern")
     p.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 30; quick: 3)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell")
@@ -229,6 +243,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="recurrent state")
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--quick", action="store_true", help="tiny widths, few steps (a smoke run; on CPU by default)")
+    add_step_args(p, batches_help="concurrencies (default 1,4,16,64,256; quick: 1,4)", k_default=None,
+                  k_help="draft counts (default 1,3,5; quick: 1,3)", modes=MODES)
     add_out_args(p)
     args = p.parse_args(argv)
     if args.device == "cpu":

@@ -45,11 +45,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _results import HelpFormatter, Clock, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results
+from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results
 from bench_step import MODES as STEP_MODES
-from bench_step import PatternForced, ints, pattern, time_mode
+from bench_step import add_step_args, step_config, time_stack
 
-from ssm_spec.graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack
 
 #: The pool modes timed by default: exact RecoverSSM and the folded commit.
 MODES = ("recoverssm", "folded")
@@ -103,20 +102,7 @@ def run(args) -> dict:
     dev, group, rank, world = join_group(args.device)
     if rank:  # one table: the other ranks time in silence
         sys.stdout = open(os.devnull, "w")
-    widths = TINY_WIDTHS if args.quick else REALISTIC_WIDTHS
-    bmax, wmax = max(args.batches), max(args.k) + 1
-    stack = DecoderStack(**widths, max_len=args.prompt_len + 2 * wmax, num_slots=bmax, device=dev,
-                         dtype=getattr(torch, args.dtype), tp_group=group)
-    stack.randomize(0).eval()
-    model = PatternForced(stack, bmax * wmax, dev)
-    tick = Clock(dev)
-    rows = []
-    for k in args.k:
-        acc = pattern(args.steps + args.warmup, bmax, k, args.alpha, args.seed)
-        for mode in args.modes:
-            if group is not None:
-                dist.barrier(group)
-            rows += time_mode(stack, model, mode, k, acc, args, tick)
+    widths, rows = time_stack(args, dev, group, (lambda: dist.barrier(group)) if group is not None else None)
     rows = gather_rows(rows, group)
     res = {
         "device": device_name(dev),
@@ -124,9 +110,7 @@ def run(args) -> dict:
         "tp": world,
         "backend": dist.get_backend(group) if group is not None else None,
         **nccl_environment(),
-        "config": {**widths, "dtype": args.dtype, "state_dtype": args.state_dtype, "batches": args.batches,
-                   "k": args.k, "alpha": args.alpha, "steps": args.steps, "warmup": args.warmup,
-                   "prompt_len": args.prompt_len, "modes": args.modes, "quick": args.quick},
+        "config": step_config(args, widths),
         "rows": rows,
     }
     if group is not None:
@@ -243,16 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (rank r on cuda:$LOCAL_RANK, NCCL) or cpu (gloo, implies --quick)")
     p.add_argument("--quick", action="store_true", help="tiny widths, few steps (a smoke run)")
-    p.add_argument("--batches", type=ints, default=None, help="concurrencies (default 1,16,64,256; quick: 1,4)")
-    p.add_argument("--k", type=ints, default=[3], help="draft counts")
-    p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="pool modes to compare")
-    p.add_argument("--alpha", type=float, default=0.7, help="per-draft acceptance rate of the fixed pattern")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per cell (default 30; quick: 3)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per cell")
-    p.add_argument("--prompt-len", type=int, default=64, help="positions already in the KV buffer")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights")
-    p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32", help="recurrent state")
-    p.add_argument("--seed", type=int, default=0)
+    add_step_args(p, batches_help="concurrencies (default 1,16,64,256; quick: 1,4)", k_default=[3],
+                  k_help="draft counts", modes=MODES)
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                    help="draw the runs' JSON in DIR ... into one plot instead of running (no process group)")
     add_out_args(p)
