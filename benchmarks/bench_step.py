@@ -245,6 +245,31 @@ def add_step_args(p: argparse.ArgumentParser, *, batches_help: str, k_default, k
     p.add_argument("--seed", type=int, default=0)
 
 
+def finish_step_args(p: argparse.ArgumentParser, args: argparse.Namespace, *, batches, k, modes) -> None:
+    """Fill the step's defaults (``batches`` / ``k``: ``(full, quick)``) and check the values:
+    any CPU device (``cpu``, ``cpu:0``, ...) makes a ``--quick`` smoke run; concurrencies, draft
+    counts and ``--steps`` >= 1, ``--warmup`` and ``--prompt-len`` >= 0, ``--alpha`` in
+    ``[0, 1]``, ``--modes`` among ``modes``. A bad value is a usage error (exit status 2)."""
+    try:
+        cpu = torch.device(args.device).type == "cpu"
+    except RuntimeError as exc:
+        p.error(f"--device {args.device}: {exc}")
+    args.quick = args.quick or cpu
+    pick = 1 if args.quick else 0
+    args.batches = args.batches if args.batches is not None else batches[pick]
+    args.k = args.k if args.k is not None else k[pick]
+    args.steps = args.steps if args.steps is not None else (3 if args.quick else 30)
+    if not args.batches or min(args.batches) < 1 or not args.k or min(args.k) < 1:
+        p.error("--batches and --k take one or more integers >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.prompt_len < 0:
+        p.error("--steps must be >= 1, --warmup and --prompt-len >= 0")
+    if not 0.0 <= args.alpha <= 1.0:
+        p.error(f"--alpha {args.alpha}: an acceptance rate, in [0, 1]")
+    bad = [m for m in args.modes if m not in modes]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from {modes}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -253,14 +278,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   k_help="draft counts (default 1,3,5; quick: 1,3)", modes=MODES)
     add_out_args(p)
     args = p.parse_args(argv)
-    if args.device == "cpu":
-        args.quick = True
-    args.batches = args.batches or ([1, 4] if args.quick else [1, 4, 16, 64, 256])
-    args.k = args.k or ([1, 3] if args.quick else [1, 3, 5])
-    args.steps = args.steps or (3 if args.quick else 30)
-    bad = [m for m in args.modes if m not in MODES]
-    if bad:
-        p.error(f"--modes: unknown {bad}; choose from {MODES}")
+    finish_step_args(p, args, batches=([1, 4, 16, 64, 256], [1, 4]), k=([1, 3, 5], [1, 3]), modes=MODES)
     resolve_out_dir(p, args, smoke=args.quick)
     return args
 

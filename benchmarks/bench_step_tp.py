@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results
 from bench_step import MODES as STEP_MODES
-from bench_step import add_step_args, step_config, time_stack
+from bench_step import add_step_args, finish_step_args, step_config, time_stack
 
 
 #: The pool modes timed by default: exact RecoverSSM and the folded commit.
@@ -146,20 +146,32 @@ def load_runs(dirs: list[Path]) -> list[dict]:
     """Every ``bench_step_tp<N>_*.json`` in ``dirs``, ordered by TP size.
 
     Raises:
-        ValueError: none found, or runs of different devices, state dtypes or smoke/full kinds
-            (one plot compares one setting), or two runs of one TP size.
+        ValueError: none found, a file that is not JSON (named), runs that differ in anything
+            but the TP size (device or any ``config`` entry: one plot compares one setting), or
+            two runs of one TP size.
     """
     runs = []
     for d in dirs:
         for path in sorted(Path(d).glob("bench_step_tp[0-9]*_*.json")):
-            res = json.loads(path.read_text())
-            if "tp" in res and "rows" in res:
+            try:
+                res = json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--merge: {path}: {exc}") from None
+            if isinstance(res, dict) and "tp" in res and "rows" in res and isinstance(res.get("config"), dict):
+                res["_path"] = str(path)
                 runs.append(res)
     if not runs:
         raise ValueError(f"--merge: no bench_step_tp<N>_*.json in {', '.join(map(str, dirs))}")
-    kinds = {(r["device"], r["config"]["state_dtype"], r["config"]["quick"]) for r in runs}
-    if len(kinds) > 1:
-        raise ValueError(f"--merge: runs of different settings (device, state dtype, quick): {sorted(kinds)}")
+    first = runs[0]
+    for r in runs[1:]:  # one plot compares one setting: everything but the TP size must agree
+        diff = sorted(key for key in set(first["config"]) | set(r["config"])
+                      if first["config"].get(key) != r["config"].get(key))
+        if r["device"] != first["device"]:
+            diff.insert(0, "device")
+        if diff:
+            raise ValueError(f"--merge: {r['_path']} and {first['_path']} differ in {', '.join(diff)}")
+    for r in runs:
+        del r["_path"]
     sizes = [r["tp"] for r in runs]
     if len(set(sizes)) < len(sizes):
         raise ValueError(f"--merge: several runs of one TP size: {sorted(sizes)}")
@@ -227,8 +239,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda (rank r on cuda:$LOCAL_RANK, NCCL) or cpu (gloo, implies --quick)")
     p.add_argument("--quick", action="store_true", help="tiny widths, few steps (a smoke run)")
-    add_step_args(p, batches_help="concurrencies (default 1,16,64,256; quick: 1,4)", k_default=[3],
-                  k_help="draft counts", modes=MODES)
+    add_step_args(p, batches_help="concurrencies (default 1,16,64,256; quick: 1,4)", k_default=None,
+                  k_help="draft counts (default 3)", modes=MODES)
     p.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                    help="draw the runs' JSON in DIR ... into one plot instead of running (no process group)")
     add_out_args(p)
@@ -240,13 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(str(exc))
         resolve_out_dir(p, args, smoke=args.runs[0]["config"]["quick"])
         return args
-    if args.device == "cpu":
-        args.quick = True
-    args.batches = args.batches or ([1, 4] if args.quick else [1, 16, 64, 256])
-    args.steps = args.steps or (3 if args.quick else 30)
-    bad = [m for m in args.modes if m not in STEP_MODES]
-    if bad:
-        p.error(f"--modes: unknown {bad}; choose from {STEP_MODES}")
+    finish_step_args(p, args, batches=([1, 16, 64, 256], [1, 4]), k=([3], [3]), modes=STEP_MODES)
     resolve_out_dir(p, args, smoke=args.quick)
     return args
 

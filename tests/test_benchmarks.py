@@ -120,6 +120,45 @@ def test_bench_step_tp_smoke_run_and_merge(tmp_path):
     assert proc.returncode == 2 and "--save" in proc.stderr.splitlines()[-1], proc.stderr
 
 
+@pytest.mark.parametrize("script", ["bench_step", "bench_step_tp"])
+@pytest.mark.parametrize("argv,words", [
+    (["--batches", "0"], "integers >= 1"), (["--batches", "1,0"], "integers >= 1"), (["--k", "-1"], "integers >= 1"),
+    (["--steps", "0"], "--steps must be >= 1"), (["--warmup", "-1"], "--steps must be >= 1"),
+    (["--prompt-len", "-5"], "--steps must be >= 1"), (["--alpha", "1.5"], "in [0, 1]"),
+    (["--modes", "recoverssm,bogus"], "unknown ['bogus']"), (["--device", "bogus"], "--device bogus"),
+    (["--device", "cpu:0", "--save"], "--save writes the committed results"),
+])
+def test_step_benchmarks_refuse_bad_arguments(script, argv, words, capsys):
+    """Every bad value is a usage error (exit status 2) before anything is built, and any spelling
+    of the CPU makes a smoke run that may not write the committed results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    module = __import__(script)
+    with pytest.raises(SystemExit) as exc:
+        module.parse_args(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bench_step_tp_merge_refuses_runs_of_other_settings(tmp_path, capsys):
+    """``--merge`` compares one setting: runs that differ in anything but the TP size (here the
+    acceptance rate) are refused naming the files and the setting; an unreadable JSON is named."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_step_tp
+
+    config = {"state_dtype": "float32", "quick": True, "alpha": 0.7, "k": [3]}
+    rows = [{"mode": "folded", "k": 3, "batch": 1, "step_ms": 1.0}]
+    for tp, alpha in ((1, 0.7), (2, 0.0)):
+        run = {"tp": tp, "device": "cpu", "rows": rows, "config": {**config, "alpha": alpha}}
+        (tmp_path / f"bench_step_tp{tp}_quick_float32.json").write_text(json.dumps(run))
+    with pytest.raises(SystemExit) as exc:
+        bench_step_tp.parse_args(["--merge", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and "differ in alpha" in err and "bench_step_tp2_quick_float32.json" in err
+    (tmp_path / "bench_step_tp2_quick_float32.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        bench_step_tp.parse_args(["--merge", str(tmp_path)])
+    assert "bench_step_tp2_quick_float32.json" in capsys.readouterr().err
+
+
 def res_name(res: dict) -> str:
     return f"bench_step_tp{res['tp']}_quick_{res['config']['state_dtype']}.json"
 
@@ -258,8 +297,8 @@ def test_timing_spread_warns_when_timed_calls_disagree(capsys):
     assert timing_spread("ours", [1.0, 1.0 * TIMING_SPREAD_LIMIT]) == pytest.approx(TIMING_SPREAD_LIMIT)
     assert timing_spread("one call", [2.5]) == 1.0
     assert capsys.readouterr().err == ""
-    for bad in ([], [0.0, 1.0], [-1.0]):
-        with pytest.raises(ValueError, match="positive seconds"):
+    for bad in ([], [0.0, 1.0], [-1.0], [float("nan")], [1.0, float("nan")], [float("inf")]):
+        with pytest.raises(ValueError, match="positive, finite seconds"):
             timing_spread("bad", bad)
 
 
@@ -282,3 +321,18 @@ def test_bench_hf_generate_warms_up_over_the_whole_length_where_kernels_compile(
     assert demo.warmup_tokens == (64 if cuda else bench.DEMO_WARMUP_TOKENS)
     assert bench.parse_args(["--kind", "qwen3_5", "--device", device, "--new-tokens", "64"]).warmup_tokens == 64
     assert bench.parse_args(["--model", "demo", "--device", device, "--warmup-tokens", "5"]).warmup_tokens == 5
+
+
+def test_bench_hf_tp_refuses_heads_the_ranks_cannot_share(monkeypatch, capsys):
+    """Under ``torchrun`` with 3 ranks the tiny model's 2 key heads cannot be shared: a usage
+    error (exit status 2) before rank 0 builds its reference model."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_tp
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as exc:
+        bench_hf_tp.parse_args(["--quick", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exc.value.code == 2 and "is not divisible by the 3 ranks" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert bench_hf_tp.parse_args(["--quick", "--device", "cpu"]).key_heads % 2 == 0
