@@ -46,8 +46,18 @@ def parse_args(argv=None):
     default; its run selection (``--no-graphs``, ``--no-hf-torch``, ``--model``) does not apply."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = hf_parse_args(["--dtype", "float32", *argv])  # a later --dtype wins
+
+    def usage_error(message: str):
+        print(f"bench_hf_tp.py: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
     if args.model is not None:
-        raise SystemExit("bench_hf_tp.py: --model is not supported (random-weight kinds only)")
+        usage_error("--model is not supported (random-weight kinds only)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before any rank builds a model
+    for name in ("key_heads", "value_heads"):
+        if getattr(args, name) % world:
+            usage_error(f"--{name.replace('_', '-')} {getattr(args, name)} is not divisible by the {world} ranks "
+                        "(each keeps an equal share of the GDN heads)")
     return args
 
 
