@@ -291,6 +291,8 @@ class DecoderStack(nn.Module):
         for layer in list(self.mixers) + list(self.mlps):
             if isinstance(layer, RecoverGatedDeltaNet):
                 owner = type(layer).__name__
+                if layer.tp_group is not None:
+                    raise ValueError(f"{owner}.shard_: the layer is already sharded")
                 tp_share(layer.num_k_heads, tp_group, "num_k_heads", owner)
                 tp_share(layer.num_v_heads, tp_group, "num_v_heads", owner)
             else:

@@ -167,6 +167,12 @@ def test_decoder_stack_widths_not_divisible_by_the_tp_size_raise(tmp_path):
             with pytest.raises(ValueError, match=match):
                 full.shard_(fake)
             assert [p.shape for p in full.parameters()] == widths and full.tp_group is None
+        part = DecoderStack(**base)  # one GDN layer sharded by hand: the stack refuses, cutting nothing
+        part.mixers[2].shard_(fake)
+        widths = [p.shape for p in part.parameters()]
+        with pytest.raises(ValueError, match="already sharded"):
+            part.shard_(fake)
+        assert [p.shape for p in part.parameters()] == widths and part.mixers[0].tp_group is None
         stack = DecoderStack(**base, tp_group=fake)  # everything divisible by 3
         assert stack.mixers[3].num_heads == 2 and stack.mixers[3].num_kv_heads == 1
         assert stack.mlps[0].gate_proj.out_features == 16 and stack.mlps[0].down_proj.in_features == 16
