@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import re
 import sys
@@ -122,13 +123,13 @@ TIMING_SPREAD_LIMIT = 1.3
 def timing_spread(name: str, times) -> float:
     """``max(times) / min(times)`` of one run's timed calls (seconds); prints a warning to stderr
     naming the run when it exceeds :data:`TIMING_SPREAD_LIMIT`. Raises ``ValueError`` on an empty
-    or non-positive list."""
+    list or a time that is not a positive, finite number."""
     times = list(times)
-    if not times or min(times) <= 0:
-        raise ValueError(f"{name}: timed calls must be a non-empty list of positive seconds, got {times}")
+    if not times or not all(t > 0 and math.isfinite(t) for t in times):
+        raise ValueError(f"{name}: timed calls must be a non-empty list of positive, finite seconds, got {times}")
     spread = max(times) / min(times)
     if spread > TIMING_SPREAD_LIMIT:
         print(f"warning: {name}: timed calls differ {spread:.2f}x ({', '.join(f'{t:.3f}' for t in times)} s): "
-              "the warm-up left work undone (compilation, autotuning); raise --warmup-tokens or --repeats",
-              file=sys.stderr)
+              "work the warm-up left undone (compilation, autotuning) or a busy machine; raise "
+              "--warmup-tokens or --repeats", file=sys.stderr)
     return spread
