@@ -37,7 +37,7 @@ import torch.distributed as dist
 from _results import Clock, write_results
 from bench_hf_generate import SENTENCE, Phases, environment, first_diff, model_config, timed_generate
 from bench_hf_generate import parse_args as hf_parse_args
-from bench_step_tp import join_group, nccl_environment
+from bench_step_tp import join_group, leave_group, nccl_environment
 
 
 def parse_args(argv=None):
@@ -111,7 +111,8 @@ def run(args) -> dict | None:
     if group is not None:
         per_rank = [None] * world
         dist.all_gather_object(per_rank, mine, group=group)
-        dist.destroy_process_group()
+    del model  # its sharded layers hold the group
+    leave_group(group)
     if rank:
         return None
     ranks_agree = all(r[run]["tokens"] == per_rank[0][run]["tokens"] for r in per_rank for run in r)
