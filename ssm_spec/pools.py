@@ -8,6 +8,7 @@ the state pages: a record lives only from a step's verify to its commit.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -399,26 +400,23 @@ class StatePool:
         return {key: (g.state, g.records) for key, g in self._conv.items()}
 
     def launch_guard(self, device: torch.device):
-        """What a launch of this pool's ops on ``device`` runs under: on a pool over several
-        devices, or on a GPU that was not the current one when the pool was made
+        """The context a launch of this pool's ops on ``device`` runs under: on a pool over
+        several devices, or on a GPU that was not the current one when the pool was made
         (:attr:`guarded`), ``torch.cuda.device(device)`` for a CUDA device, because Triton
         launches on the current CUDA device and its current stream, not the tensors' (and
         accelerate's hooks move inputs without changing the current device); a new context
         manager each call, as they nest (a layer's step may flush the groups under their own
-        devices). ``None`` otherwise: on a pool on the current GPU or the CPU, launches run as
-        they are (no guard, nothing in a captured or compiled step's way), and the CPU's
-        kernels take their device from their tensors."""
+        devices). Otherwise ``contextlib.nullcontext()``: on a pool on the current GPU or the
+        CPU, launches run as they are (nothing in a captured or compiled step's way), and the
+        CPU's kernels take their device from their tensors."""
         if not self.guarded or device.type not in CURRENT_DEVICE_TYPES:
-            return None
+            return contextlib.nullcontext()
         return torch.cuda.device(device)
 
     def launch(self, device: torch.device, name: str, *args) -> None:
         """Run ssm_spec op ``name`` on ``args`` (tensors on ``device``) for one of the pool's
-        groups: under :meth:`launch_guard` where it gives one, else as it is."""
-        guard = self.launch_guard(device)
-        if guard is None:
-            return _eager.call(name, *args)
-        with guard:
+        groups, under :meth:`launch_guard`."""
+        with self.launch_guard(device):
             return _eager.call(name, *args)
 
     def per_device(self, *tensors: torch.Tensor) -> dict:

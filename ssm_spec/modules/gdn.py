@@ -226,10 +226,7 @@ class RecoverGatedDeltaNet(nn.Module):
         check_inference("RecoverGatedDeltaNet", hidden, self)
         state = pool.gdn_state(self)
         dev = state.device  # a pool spread over devices: this layer's states, plans and metadata live here
-        guard = pool.launch_guard(dev)  # None on a pool on one device
-        if guard is None:
-            return self._step(hidden, metadata, pool, state, dev)
-        with guard:
+        with pool.launch_guard(dev):  # a no-op context on a pool on one device
             return self._step(hidden, metadata, pool, state, dev)
 
     def _step(self, hidden, metadata, pool, state, dev):

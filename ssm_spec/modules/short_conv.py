@@ -144,14 +144,9 @@ class RecoverShortConv(nn.Module):
         if self.tp_group is not None:  # this rank's channels of the full input
             x = x[:, self.tp_channels[0]:self.tp_channels[1]]
         conv_state = pool.conv_state(self)
-        args = (x, self.weight[:, 0], self.bias, conv_state, pool.conv_record(self, pool.max_tokens),
-                metadata.to(conv_state.device), self.dilation, self.activation, pool)
-        guard = pool.launch_guard(conv_state.device)  # None on a pool on one device
-        if guard is None:
-            out = run_short_conv(*args)
-        else:
-            with guard:
-                out = run_short_conv(*args)
+        with pool.launch_guard(conv_state.device):  # a no-op context on a pool on one device
+            out = run_short_conv(x, self.weight[:, 0], self.bias, conv_state, pool.conv_record(self, pool.max_tokens),
+                                 metadata.to(conv_state.device), self.dilation, self.activation, pool)
         if self.tp_group is not None:
             out = all_gather_channels(out, self.tp_group)
         return out
