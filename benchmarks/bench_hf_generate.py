@@ -729,9 +729,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    cpu = torch.device(args.device).type == "cpu"
     if args.warmup_tokens is None:  # the whole length, but for a trained pair on the CPU
-        on_cpu = torch.device(args.device).type == "cpu"
-        args.warmup_tokens = DEMO_WARMUP_TOKENS if args.model is not None and on_cpu else args.new_tokens
+        args.warmup_tokens = DEMO_WARMUP_TOKENS if args.model is not None and cpu else args.new_tokens
     if args.std is None:
         args.std = 0.2 * math.sqrt(64 / args.hidden)
     if args.value_heads % args.key_heads:
@@ -754,7 +754,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         except ValueError as exc:
             p.error(str(exc))
     # a trained pair's CPU run is a measurement (the issue asks for CPU numbers); random weights on a CPU are a smoke run
-    cpu = torch.device(args.device).type == "cpu"
     resolve_out_dir(p, args, smoke=args.quick or (cpu and args.model is None))
     return args
 
