@@ -30,17 +30,24 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -f /tmp/site/.installed ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 # Triton autotuning results: fla-core tunes each of its kernels on first use (every config
-# compiled and timed: one to two minutes per process on a fresh machine, seen on the H200), and
-# Triton keeps each winner as <kernel>.autotune.json in its cache directory. The run returns them
-# in $OUT/triton_autotune.tar.gz; copy that file to .gpu_cache/ here and name .gpu_cache in the
-# device tool's carry, and the next machine compiles only the winners.
+# compiled and timed: one to two minutes per process on a fresh machine, seen on the H200).
+# fla-core builds its autotuners with cache_results=False, so Triton keeps the winners on disk
+# (<kernel>.autotune.json) only with TRITON_CACHE_AUTOTUNING=1; later processes on the machine
+# then skip the tuning. The run returns Triton's cache in $OUT/triton_autotune.tar.gz (the whole
+# cache, compiled kernels too, when it packs under 15 MB; else the winners alone); copy that
+# file to .gpu_cache/ here and name .gpu_cache in the device tool's carry, and the next machine
+# neither tunes nor compiles those kernels again.
+export TRITON_CACHE_AUTOTUNING=1
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 if [ -f .gpu_cache/triton_autotune.tar.gz ]; then
   mkdir -p "$TRITON_CACHE" && tar -C "$TRITON_CACHE" -xzf .gpu_cache/triton_autotune.tar.gz \
-    && echo "autotune results carried in: $(tar -tzf .gpu_cache/triton_autotune.tar.gz | grep -c autotune.json)"
+    && echo "Triton cache carried in: $(tar -tzf .gpu_cache/triton_autotune.tar.gz | grep -c autotune.json) autotune results, $(tar -tzf .gpu_cache/triton_autotune.tar.gz | wc -l) files"
 fi
 save_autotune() {
-  [ -d "$TRITON_CACHE" ] && (cd "$TRITON_CACHE" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -)
+  [ -d "$TRITON_CACHE" ] || return 0
+  (cd "$TRITON_CACHE" && tar -czf "$OUT/triton_autotune.tar.gz" . \
+    && [ "$(stat -c %s "$OUT/triton_autotune.tar.gz")" -lt 15000000 ] \
+    || find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -)
 }
 trap save_autotune EXIT
 summary=()
