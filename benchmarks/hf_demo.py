@@ -16,7 +16,10 @@ each after a warm-up and as the median of ``--repeats`` calls (the CLI's
    (``graphs``, ``graphs+lookup``, ``graphs+draft``).
 
 Reported: tokens/s, acceptance (mean accepted length, per-position rates, from the
-``RecoverSSMCache`` stats) and whether the tokens equal (1)'s.
+``RecoverSSMCache`` stats) and whether the tokens equal (1)'s; where they do not, the first new
+token that differs and the unconverted target's logit gaps there (top-1 minus top-2, and (1)'s
+token minus the run's), from one forward over the prompt and (1)'s tokens: a bf16 run parts
+from transformers at a near-tie, a bug at a clear winner.
 """
 
 from __future__ import annotations
@@ -106,12 +109,29 @@ def _args(ns, draft: str) -> Namespace:
                      confidence_threshold=0.0, draft=draft)
 
 
+def divergence(run: list[int], hf: list[int], hf_logits: torch.Tensor, prompt_len: int) -> dict:
+    """Whether ``run``'s new tokens equal ``hf``'s; if not, ``first_diff`` (the new token's index),
+    both tokens and the unconverted target's gaps there (:func:`bench_hf_generate.gap_at` on
+    ``hf_logits [prompt_len + len(hf), vocab]``, the logits of one forward over the prompt and
+    ``hf``'s tokens: the prefix before ``first_diff`` is ``hf``'s by definition)."""
+    from bench_hf_generate import first_diff, gap_at
+
+    d = first_diff(run, hf)
+    if d is None:
+        return {"tokens_equal_hf": True, "first_diff": None}
+    entry = {"tokens_equal_hf": False, "first_diff": d}
+    if d < min(len(run), len(hf)):  # else one run is a prefix of the other (an end of sequence)
+        entry.update(token_hf=hf[d], token_run=run[d], **gap_at(hf_logits, prompt_len + d - 1, hf[d], run[d]))
+    return entry
+
+
 def run_demo(ns) -> dict:
     """Run every prompt through the runs above; returns the results dict (per prompt and summed).
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
     differ by more than ``_results.TIMING_SPREAD_LIMIT``)."""
     from _results import timing_spread
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
+    from bench_hf_generate import full_logits
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
 
     device = torch.device(ns.device)
@@ -123,6 +143,8 @@ def run_demo(ns) -> dict:
     args = _args(ns, str(draft_dir))
     ids = [torch.tensor([tok.encode(p["text"])], device=device) for p in prompts]
     plain = [timed_generate(target, x, args, desc="hf") for x in ids]
+    plain_logits = [full_logits(target, torch.cat([x, r.new_tokens.to(x.device).reshape(1, -1)], 1))
+                    for x, r in zip(ids, plain)]
     apply_recoverssm(target)
     draft, _ = load_draft(args, target, device, dtype)
     modes = [("", False)] + ([("graphs", True)] if ns.graphs and device.type == "cuda" else [])
@@ -140,7 +162,8 @@ def run_demo(ns) -> dict:
                 r = timed_generate(target, x, args, desc=key, speculative=spec)
                 entry = {"tokens_per_s": r.tokens_per_s, "times_s": list(r.times),
                          "times_spread": timing_spread(f"{key}, prompt {i}", r.times),
-                         "tokens_equal_hf": torch.equal(r.new_tokens, plain[i].new_tokens)}
+                         **divergence(r.new_tokens.reshape(-1).tolist(), plain[i].new_tokens.reshape(-1).tolist(),
+                                      plain_logits[i], x.shape[1])}
                 if r.stats is not None:
                     entry.update(mean_accepted_length=r.stats.mean_accepted_length,
                                  acceptance_rate=r.stats.acceptance_rate,
@@ -158,6 +181,9 @@ def run_demo(ns) -> dict:
                                                          else 0.0 for v in vals) for j in range(width)]
         if name != "hf":
             s["tokens_equal_hf"] = all(v["tokens_equal_hf"] for v in vals)
+            s["prompts_equal_hf"] = sum(v["tokens_equal_hf"] for v in vals)
+            gaps = [v["top1_minus_top2"] for v in vals if not v["tokens_equal_hf"]]
+            s["largest_top1_minus_top2_at_first_diff"] = max(gaps) if gaps else None
             s["speedup_over_hf"] = s["tokens_per_s_median"] / summary["hf"]["tokens_per_s_median"]
         summary[name] = s
     return {"model": str(target_dir), "draft": str(draft_dir), "dtype": ns.dtype, "device": str(device),
@@ -168,12 +194,20 @@ def run_demo(ns) -> dict:
 def print_demo(res: dict) -> None:
     print(f"demo pair: {res['model']} + {res['draft']}, {res['dtype']} on {res['device']}, "
           f"{res['new_tokens']} new tokens, k={res['num_draft_tokens']}, {len(res['prompts'])} prompts")
+    n = len(res["prompts"])
     print(f"{'run':<16} | {'tok/s (median)':>14} | {'vs hf':>6} | {'accepted/round':>14} | equal | per position")
     for name, s in res["summary"].items():
         rates = " ".join(f"{r:.2f}" for r in s.get("position_rates_mean", []))
+        equal = "-" if name == "hf" else f"{s['prompts_equal_hf']}/{n}"
         print(f"{name:<16} | {s['tokens_per_s_median']:>14.1f} | {s.get('speedup_over_hf', 1.0):>5.2f}x | "
               f"{s.get('mean_accepted_length_mean', float('nan')):>14.2f} | "
-              f"{'yes' if s.get('tokens_equal_hf', True) else 'NO':>5} | {rates}")
+              f"{equal:>5} | {rates}")
+    for i, p in enumerate(res["prompts"]):
+        for name, r in p["runs"].items():
+            if name != "hf" and not r["tokens_equal_hf"] and "top1_minus_top2" in r:
+                print(f"  prompt {i} ({p['file']} {p['kind']}), {name}: first difference at new token "
+                      f"{r['first_diff']} ({r['token_hf']} vs {r['token_run']}); unconverted target there: "
+                      f"top1-top2 {r['top1_minus_top2']:.4g}, logit(hf)-logit(run) {r['logit_a_minus_b']:.4g}")
 
 
 def save_demo_plot(res: dict, path) -> bool:

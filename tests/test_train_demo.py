@@ -94,6 +94,8 @@ def test_bench_hf_generate_model_demo_on_held_out_code(smoke_run, tmp_path):
     assert res["prompts"][0]["file"] in json.loads((smoke_run / "demo.json").read_text())["corpus"]["held_out_files"]
     for name in ("ours", "ours+lookup", "ours+draft"):
         assert res["summary"][name]["tokens_equal_hf"], name
+        assert res["summary"][name]["prompts_equal_hf"] == 2 and all(
+            p["runs"][name]["first_diff"] is None for p in res["prompts"]), name
     for name in ("ours+lookup", "ours+draft"):
         assert res["summary"][name]["mean_accepted_length_mean"] >= 1.0
         assert all(0.0 <= r <= 1.0 for r in res["summary"][name]["position_rates_mean"])
@@ -149,3 +151,22 @@ def test_a_short_run_still_trains(tmp_path):
     run(["scripts/train_demo_model.py", "--smoke", "--steps", "1", "--out", str(out), "--device", "cpu"])
     man = json.loads((out / "demo.json").read_text())
     assert man["steps"] == 1 and man["warmup"] == 0
+
+
+def test_demo_divergence_names_the_first_different_token_and_its_gaps(monkeypatch):
+    """Where a run's tokens part from plain greedy's, the record names the first new token that
+    differs, both tokens and the unconverted target's gaps at that position (the logits row
+    before it), so a bf16 near-tie reads apart from a bug; a run that stops early is a
+    difference without gaps."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from hf_demo import divergence
+
+    logits = torch.zeros(3 + 4, 10)
+    logits[3 + 1 - 1, 7], logits[3 + 1 - 1, 2] = 5.0, 4.5  # new token 1 is predicted from position 3 + 0
+    assert divergence([1, 7, 3], [1, 7, 3], logits, 3) == {"tokens_equal_hf": True, "first_diff": None}
+    d = divergence([1, 2, 3], [1, 7, 3], logits, 3)
+    assert (d["first_diff"], d["token_hf"], d["token_run"]) == (1, 7, 2)
+    assert d["top1_minus_top2"] == 0.5 and d["logit_a_minus_b"] == 0.5 and d["top1_token"] == 7
+    assert divergence([1, 7], [1, 7, 3], logits, 3) == {"tokens_equal_hf": False, "first_diff": 2}
