@@ -658,7 +658,11 @@ class StatePool:
         start, count = self.pending_start[idx], self.pending_count[idx]
         qsl = torch.zeros(B + 1, dtype=torch.int32, device=self.device)  # empty windows: fold only
         on = self.per_device(slots, qsl, start, count)  # each group launches on its own device
-        if self.ring_mode:  # max_pending 0: every row with pending tokens folds
+        if self.ring_mode:  # max_pending 0: every row with pending tokens folds. max_window the pool's
+            # (the windows are empty either way): the pending block PP = next_pow2(R - max_window) is
+            # then the tightest that holds every valid count, and a step whose window is the pool's
+            # longest launched the same binary (0 would be PP = next_pow2(R): up to twice the block,
+            # and one more compile, over 30 s of it on the H200 at L = 16)
             for (dev, spec), g in self._gdn.items():
                 H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
                 d_slots, d_qsl, d_start, d_count = on[dev]
@@ -666,7 +670,8 @@ class StatePool:
                 q, v, gb = empty.reshape(0, H, K), empty.reshape(0, HV, V), empty.reshape(0, HV)
                 for layer in range(len(g.members)):
                     self.launch(dev, "gdn_closed_form_folded_verify", q, q, v, gb, gb, g.state[layer], d_slots,
-                                d_qsl, v, *(r[layer] for r in g.ring), d_start, d_count, 0, 0, K ** -0.5, True)
+                                d_qsl, v, *(r[layer] for r in g.ring), d_start, d_count, self.max_window, 0,
+                                K ** -0.5, True)
             self.pending_start.index_copy_(0, idx, (start + count) % self.ring_positions)
             self.pending_count.index_fill_(0, idx, 0)
             return

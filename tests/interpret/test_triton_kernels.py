@@ -531,6 +531,34 @@ def test_closed_form_ring_kernel_matches_cpu_twin_past_four_pending(case):
         assert rel_err(a[~torch.isnan(ref)], ref[~torch.isnan(ref)]) < 1e-5
 
 
+def test_flush_with_the_pools_max_window_is_the_flush_with_none():
+    """``StatePool.flush`` launches with the pool's ``max_window`` (W = 4: PP = 16, a step's binary)
+    instead of 0 (PP = 32): for every valid pending count (up to ``max(max_pending, W)`` = 16,
+    wrapping round the ring) the folded states are the same bits, and nothing else is written."""
+    from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, pending_block
+
+    HV, H, K, V, R, S = 2, 1, 12, 20, 20, 6
+    assert (pending_block(R, 4), pending_block(R, 0)) == (16, 32)
+    counts, starts = [16, 1, 9, 0, 5, 13], [19, 0, 15, 3, 17, 2]
+    src, start, count = i32(range(S), "cpu"), i32(starts, "cpu"), i32(counts, "cpu")
+    qsl = torch.zeros(S + 1, dtype=torch.int32)
+    inp = gdn_inputs(0, H, HV, K, V, "cpu")
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(S, R, H, K, generator=gen)
+    ring0 = RecordRing(torch.randn(S, R, HV, V, generator=gen), k / k.norm(dim=-1, keepdim=True),
+                       -torch.rand(S, R, HV, generator=gen))
+    pool = random_pool(S, HV, K, V, "cpu")
+    pools = []
+    for max_window in (4, 0):
+        p, r = pool.clone(), RecordRing(*(x.clone() for x in ring0))
+        launch_closed_form(*inp.args(), p, src, qsl, torch.empty(0, HV, V), r, max_window, K**-0.5, True,
+                           pending=(start, count, 0))
+        assert all(same_bits(a, b) for a, b in zip(r, ring0))
+        pools.append(p)
+    assert same_bits(pools[0], pools[1])
+    assert [s for s in range(S) if not same_bits(pools[0][s], pool[s])] == [0, 1, 2, 4, 5]
+
+
 def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():
     """The fold with ``PP = 16`` (a runtime loop over blocks of 4 records, the last block masked
     past the count) at counts 5, 7, 8, 15, 16 (and 1, 4), starts wrapping round the ring, with and
