@@ -113,7 +113,7 @@ QUICK = dict(hidden=64, layers=4, key_heads=2, value_heads=4, head_dim=16, attn_
 
 
 def is_moe(kind: str) -> bool:
-    """Whether ``kind`` has expert layers (``qwen3_next_moe``, ``qwen3_5_moe``)."""
+    """Whether ``kind`` has expert layers (``qwen3_next_moe``, ``qwen3_5_moe``, ``qwen3_5_moe_vl``)."""
     return "moe" in kind
 
 
@@ -668,7 +668,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-bytes", type=int, default=1024, help="with --model: bytes of each file in its prompts")
     p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
                    help="model class (ssm_spec.hf.tiny.KINDS): the *_moe kinds have expert layers in every layer; "
-                        "qwen3_5_vl is the vision-language class, run on text prompts")
+                        "the *_vl kinds are the vision-language classes, run on text prompts")
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="model dtype")
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="recurrent state dtype of the RecoverSSM cache")

@@ -225,7 +225,7 @@ def test_trained_pair_on_the_cpu_is_a_measurement_not_a_smoke_run(capsys):
                                                               capsys)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl"])
+@pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"])
 def test_bench_hf_generate_runs_every_published_class(tmp_path, kind):
     """The expert and vision-language kinds run the whole benchmark (CPU, tiny widths) and name
     their results ``hf_generate_<kind>_<dtype>``; the expert kinds record their expert widths."""

@@ -1,6 +1,6 @@
 """Every published Qwen3-Next / Qwen3.5 model class through ``apply_recoverssm`` (CPU, fp32):
 Qwen3-Next with dense and with expert MLPs, Qwen3.5, Qwen3.5-MoE and the vision-language
-Qwen3.5 (text prompts). Prompt lookup and an assistant give plain greedy's tokens; a saved
+Qwen3.5 and Qwen3.5-MoE (text prompts). Prompt lookup and an assistant give plain greedy's tokens; a saved
 checkpoint of each loads through ``AutoModelForCausalLM`` and the CLI's ``--model``; image inputs
 are refused."""
 
@@ -18,12 +18,12 @@ from tests.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
 
 PROMPT = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
 NEW = 256
-NEW_KINDS = ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl"]  # the dense ones: tests/test_hf_generate.py
+NEW_KINDS = ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]  # the dense ones: tests/test_hf_generate.py
 
 
 def test_kinds_cover_every_published_class():
     assert set(KINDS.values()) == {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
-                                   "Qwen3_5ForConditionalGeneration"}
+                                   "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
     with pytest.raises(ValueError, match="kind"):
         tiny_model("qwen4")
 
@@ -34,7 +34,7 @@ def test_every_class_generates_plain_greedys_tokens(kind):
     assistant of the same class give the unconverted model's greedy tokens (fp32)."""
     model = tiny_model(kind, seed=1)
     assert type(model).__name__ == KINDS[kind]
-    if kind.endswith("moe"):
+    if "moe" in kind:
         assert any("experts" in name for name, _ in model.named_modules()), "expert layers must be on"
     want = model.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
     converted = apply_recoverssm(copy.deepcopy(model))
@@ -45,8 +45,9 @@ def test_every_class_generates_plain_greedys_tokens(kind):
         assert torch.equal(got, want), (kind, list(kwargs))
 
 
-def test_vision_language_class_refuses_image_inputs_and_keeps_the_tower():
-    model = tiny_model("qwen3_5_vl", seed=1)
+@pytest.mark.parametrize("kind", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_vision_language_class_refuses_image_inputs_and_keeps_the_tower(kind):
+    model = tiny_model(kind, seed=1)
     tower = {name: p.clone() for name, p in model.named_parameters() if "visual" in name}
     assert tower, "the vision tower is part of the model"
     converted = apply_recoverssm(model)
@@ -58,8 +59,8 @@ def test_vision_language_class_refuses_image_inputs_and_keeps_the_tower():
 
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_saved_checkpoint_loads_through_auto_and_the_cli(kind, tmp_path):
-    """``AutoModelForCausalLM`` on a saved checkpoint of each class (the vision-language one loads
-    as its text model, ``Qwen3_5ForCausalLM``) converts and matches greedy; the CLI's ``--model``
+    """``AutoModelForCausalLM`` on a saved checkpoint of each class (the vision-language ones load
+    as their text models, ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``) converts and matches greedy; the CLI's ``--model``
     runs each end to end (``--check``: tokens equal plain greedy)."""
     model = tiny_model(kind, seed=4)
     model.save_pretrained(tmp_path)
@@ -73,7 +74,7 @@ def test_saved_checkpoint_loads_through_auto_and_the_cli(kind, tmp_path):
     _assert_ok_and_equal(proc)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next_moe", "qwen3_5_moe_vl"])
 def test_cuda_graphs_switch_experts_to_batched_mm_and_back(kind):
     """``cuda_graphs=True`` runs the expert layers through transformers' ``batched_mm`` (routing
     on the device, shapes fixed by the token count: capture-safe); turning graphs off restores
@@ -130,7 +131,7 @@ def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
     device = torch.device("cuda")
     prompt = PROMPT.to(device)
     reference = tiny_model(kind, seed=1).to(device)
-    if kind.endswith("moe"):
+    if "moe" in kind:
         reference.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
     want = reference.generate(prompt, max_new_tokens=NEW, do_sample=False)
     logits = []

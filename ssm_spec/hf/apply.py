@@ -81,8 +81,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
 
     Args:
         model: a ``Qwen3NextForCausalLM`` (dense or expert MLPs), ``Qwen3_5ForCausalLM``,
-            ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5ForConditionalGeneration`` (text prompts; its
-            vision tower is left alone and ``generate`` refuses image and video inputs), or any
+            ``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForConditionalGeneration`` or
+            ``Qwen3_5MoeForConditionalGeneration`` (text prompts; the vision tower is left alone
+            and ``generate`` refuses image and video inputs), or any
             module tree holding their GatedDeltaNet layers as ``linear_attn``, on any device
             and dtype, or spread over devices by a ``device_map`` (``from_pretrained(...,
             device_map=...)`` or ``accelerate.dispatch_model``; GPUs, the CPU, weights
@@ -197,7 +198,7 @@ def capture_safe_experts(model: nn.Module, on: bool) -> None:
         model.set_experts_implementation(state.pop("experts_implementation"))
 
 
-#: ``generate`` inputs of the vision-language classes (``Qwen3_5ForConditionalGeneration``) that a
+#: ``generate`` inputs of the vision-language classes (``Qwen3_5[Moe]ForConditionalGeneration``) that a
 #: converted model refuses: only text prompts are tested through its cache.
 MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
 

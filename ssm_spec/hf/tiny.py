@@ -44,6 +44,7 @@ KINDS = {
     "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     "qwen3_5_vl": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_vl": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
@@ -56,7 +57,8 @@ def tiny_config(kind: str = "qwen3_next", *, hidden_size: int = 64, num_layers: 
     keeps dense MLPs (``mlp_only_layers`` covers every layer) so the model stays small;
     ``qwen3_next_moe`` and ``qwen3_5_moe`` have expert layers everywhere (``num_experts``, top-2,
     a shared expert), as published; ``qwen3_5_vl`` is a ``Qwen3_5Config`` whose ``text_config``
-    is the ``qwen3_5`` one, with a one-block vision tower. The vocabulary is the byte
+    is the ``qwen3_5`` one, with a one-block vision tower, and ``qwen3_5_moe_vl`` the same around
+    the ``qwen3_5_moe`` text model (``Qwen3_5MoeConfig``). The vocabulary is the byte
     tokenizer's. ``overrides`` go to the (text) config unchanged.
 
     Raises:
@@ -79,19 +81,20 @@ def tiny_config(kind: str = "qwen3_next", *, hidden_size: int = 64, num_layers: 
     if kind.startswith("qwen3_next"):
         dense = list(range(num_layers)) if kind == "qwen3_next" else []
         cfg = transformers.Qwen3NextConfig(**common, mlp_only_layers=dense, **experts)
-    elif kind == "qwen3_5_moe":
+    elif kind.startswith("qwen3_5_moe"):
         cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in common.items() if k != "intermediate_size"},
                                                 **experts)
     else:
         cfg = transformers.Qwen3_5TextConfig(**common)
     for key, value in overrides.items():
         setattr(cfg, key, value)
-    if kind == "qwen3_5_vl":
+    if kind.endswith("_vl"):
         text = cfg.to_dict()
         for key in ("architectures", "model_type", "transformers_version"):
             text.pop(key, None)
         vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=hidden_size)
-        cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        config_cls = transformers.Qwen3_5MoeConfig if kind == "qwen3_5_moe_vl" else transformers.Qwen3_5Config
+        cfg = config_cls(text_config=text, vision_config=vision, tie_word_embeddings=False)
     return cfg
 
 
@@ -110,7 +113,8 @@ def tiny_model(kind: str = "qwen3_next", seed: int = 0, dtype: torch.dtype = tor
     and fast decays.
 
     Returns the class :data:`KINDS` names for ``kind`` (``Qwen3NextForCausalLM``,
-    ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM`` or ``Qwen3_5ForConditionalGeneration``).
+    ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``, ``Qwen3_5ForConditionalGeneration`` or
+    ``Qwen3_5MoeForConditionalGeneration``).
 
     Raises:
         ValueError: an unknown ``kind``.
