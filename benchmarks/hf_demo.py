@@ -130,8 +130,8 @@ def run_demo(ns) -> dict:
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
     differ by more than ``_results.TIMING_SPREAD_LIMIT``)."""
     from _results import timing_spread
-    from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from bench_hf_generate import full_logits
+    from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
 
     device = torch.device(ns.device)

@@ -662,7 +662,7 @@ class StatePool:
             # (the windows are empty either way): the pending block PP = next_pow2(R - max_window) is
             # then the tightest that holds every valid count, and a step whose window is the pool's
             # longest launched the same binary (0 would be PP = next_pow2(R): up to twice the block,
-            # and one more compile, over 30 s of it on the H200 at L = 16)
+            # and a binary of its own to compile on first use)
             for (dev, spec), g in self._gdn.items():
                 H, HV, K, V = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
                 d_slots, d_qsl, d_start, d_count = on[dev]
