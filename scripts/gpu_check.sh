@@ -140,7 +140,7 @@ for part in $PARTS; do
     ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)
       for spec in ${NCU:-verify:- commit:- snapshot:- folded:-}; do
         kern=${spec%%:*}; t=${spec#*:}
-        case $kern in commit) regex=gdn_commit_kernel ;; native_engine) regex=native_engine_kernel ;; closed_form*|lazy) regex=gdn_closed_form_kernel ;; *) regex=gdn_window_kernel ;; esac
+        case $kern in commit) regex=gdn_commit_kernel ;; native_engine) regex=native_engine_kernel ;; closed_form*|lazy*) regex=gdn_closed_form_kernel ;; *) regex=gdn_window_kernel ;; esac
         ncu --clock-control none -k regex:$regex -s 2 -c 1 --section SpeedOfLight --section Occupancy \
           --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
           python3 scripts/profile_gdn.py --kernel "$kern" ${t:+$([ "$t" != "-" ] && echo "--tile $t")} \

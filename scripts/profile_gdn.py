@@ -1,8 +1,8 @@
 """Launch one GDN kernel a few times on the benchmark's workload, for ``ncu`` to read.
 
 ``bench_ops.py`` times the ops; this runs a chosen one (``--kernel verify|commit|snapshot|
-folded|native_engine|closed_form_verify|closed_form_folded|lazy``; ``lazy``: 12 tokens pending under
-``max_pending = 16``, the history path) at one batch, window and state dtype, with an optional tile,
+folded|native_engine|closed_form_verify|closed_form_folded|lazy|lazy_fold``; ``lazy``: 12 tokens
+pending under ``max_pending = 16``, the history path; ``lazy_fold``: 15 pending, the folding step) at one batch, window and state dtype, with an optional tile,
 so that Nsight Compute can read its hardware counters (issue, FMA pipe, memory throughput,
 occupancy, stall reasons, registers, local-memory traffic)::
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel", default="verify",
                    choices=["verify", "commit", "snapshot", "folded", "native_engine", "closed_form_verify",
-                            "closed_form_folded", "lazy"])
+                            "closed_form_folded", "lazy", "lazy_fold"])
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     call = {"verify": work.verify, "commit": lambda i: work.commit(i, work.n_all), "snapshot": work.snapshot,
             "folded": work.folded, "native_engine": work.native_engine, "closed_form_verify": work.closed_form_verify,
             "closed_form_folded": lambda i: work.lazy_verify(i, "closed_form_folded", work.n_all),
-            "lazy": lambda i: work.lazy_verify(i, "lazy", torch.full_like(work.n_all, 12))}[args.kernel]
+            "lazy": lambda i: work.lazy_verify(i, "lazy", torch.full_like(work.n_all, 12)),
+            "lazy_fold": lambda i: work.lazy_verify(i, "lazy", torch.full_like(work.n_all, 15))}[args.kernel]
     for i in range(args.calls):
         call(i % n_sets)
     torch.cuda.synchronize()
