@@ -400,7 +400,11 @@ def run(args) -> dict:
     hf_torch = {"kernels": None, "patched": None, "same_as_hf": None}
     if args.hf_torch:
         runs["hf-torch"], hf_torch = timed_generate_hf_torch(model, prompt, clock, phases, kernels, **common)
-        same = " (the same path as hf: no fla-core kernels bound)" if hf_torch["same_as_hf"] else ""
+        same = ""
+        if hf_torch["same_as_hf"]:  # nothing was unwrapped: hf's kernels, fla-core's or not
+            fla = any(str(v).startswith("fla.") for v in hf_torch["kernels"].values())
+            same = (" (the same kernels as hf, fla-core's: this family's functions were not unwrapped)" if fla
+                    else " (the same kernels as hf: no fla-core kernels bound)")
         print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
     plain_seq = prompt[0].tolist() + runs["hf"]["tokens"]
     with phases("hf logits"):

@@ -28,6 +28,25 @@ def test_kinds_cover_every_published_class():
         tiny_model("qwen4")
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_reference_kernels_switch_covers_every_class(kind):
+    """``hf_reference_kernels`` (the tests' autouse switch to transformers' PyTorch functions, and
+    the benchmark's hf-torch baseline) unwraps the functions of every class's modeling module:
+    Qwen3.5-MoE binds its own copies, which a list of two families once left on fla-core."""
+    import importlib
+    import inspect
+
+    from ssm_spec.hf.kernels import HF_KERNEL_FUNCTIONS, HF_MODELING, hf_reference_kernels
+
+    module = importlib.import_module(type(tiny_model(kind).get_decoder().layers[0].linear_attn).__module__)
+    family = module.__name__.rsplit(".", 2)[-2]
+    assert family in HF_MODELING, family
+    with hf_reference_kernels():  # nested in conftest's: still the plain functions inside
+        for fn in HF_KERNEL_FUNCTIONS:
+            if hasattr(module, fn):
+                assert inspect.unwrap(getattr(module, fn)) is getattr(module, fn), (family, fn)
+
+
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_every_class_generates_plain_greedys_tokens(kind):
     """256 new tokens, expert layers on: plain converted ``generate``, prompt lookup and an

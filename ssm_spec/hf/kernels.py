@@ -16,8 +16,9 @@ import inspect
 
 __all__ = ["HF_MODELING", "HF_KERNEL_FUNCTIONS", "hf_reference_kernels"]
 
-#: The transformers model families whose GDN layers we convert.
-HF_MODELING = ("qwen3_next", "qwen3_5")
+#: The transformers model families whose GDN layers we convert (every class of
+#: ``ssm_spec.hf.tiny.KINDS`` lives in one of them; Qwen3.5-MoE binds its own copies).
+HF_MODELING = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 #: The module-level functions their GDN layers look up at call time.
 HF_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                        "causal_conv1d_update")
