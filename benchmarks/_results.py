@@ -19,10 +19,12 @@ DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show defaults, except device-dependent ones (``None``: described in the help)."""
+    """Show defaults, except device-dependent ones (``None``: described in the help) and those of
+    flags (``--no-graphs`` would read "default: True": the flag is off by default)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        return action.help if action.default is None or flag else super()._get_help_string(action)
 
 
 def add_out_args(p: argparse.ArgumentParser) -> None:
