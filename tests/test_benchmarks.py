@@ -336,3 +336,30 @@ def test_bench_hf_tp_refuses_heads_the_ranks_cannot_share(monkeypatch, capsys):
     assert exc.value.code == 2 and "is not divisible by the 3 ranks" in err
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert bench_hf_tp.parse_args(["--quick", "--device", "cpu"]).key_heads % 2 == 0
+
+
+def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeypatch):
+    """``scripts/offline_sass.py`` (no GPU: Triton's own sm_90 compiler): the loop finder takes
+    a backward branch's range, innermost first, on a hand-written listing; the real ring kernel
+    at L=8, W=2 (PP = 8: the fold by blocks of 4 records) compiles and shows three loops: the
+    block loop (a rank-4 update: 4 records x 4 rows x 4 values per lane = 64 FMAs) inside the
+    chunk loop, and the history loop after it."""
+    pytest.importorskip("triton")
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import offline_sass
+
+    listing = "\n".join(f"        /*{a:04x}*/                   {op} ;" for a, op in [
+        (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "FFMA R2, R3, R4, R2"), (0x20, "LDG.E R5, [R6.64]"),
+        (0x30, "FFMA R2, R5, R4, R2"), (0x40, "@P0 BRA 0x20"), (0x50, "@!P1 BRA 0x10"), (0x60, "EXIT")])
+    assert [(a, b, n) for a, b, n, _ in offline_sass.summary(listing)["loops"]] == [(0x20, 0x40, 3), (0x10, 0x50, 5)]
+    assert offline_sass.summary(listing)["instructions"] == 7
+    assert offline_sass.main(["--window", "2", "--max-pending", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ring L=8, W=2 (WP=2, PP=8, KC=4)" in out, out
+    found = [tuple(int(x, 16) for x in re.match(r"loop (0x\w+)-(0x\w+)", ln).groups()) + (ln,)
+             for ln in out.splitlines() if ln.startswith("loop")]
+    assert len(found) == 3, out
+    nested = [(a, b) for a, b, _ in found if any(c < a and b < d for c, d, _ in found)]
+    assert len(nested) == 1, out  # the block loop, inside the chunk loop
+    block = next(ln for a, b, ln in found if (a, b) == nested[0])
+    assert "FFMA 64" in block, block
