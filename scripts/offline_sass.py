@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     g.add_argument("--plain", action="store_true", help="the read-only closed-form verify instead")
     p.add_argument("--bv", type=int, default=128, help="value tile (the B=64 table's 128)")
     p.add_argument("--warps", type=int, default=1)
+    p.add_argument("--max-registers", type=int, default=None,
+                   help="register cap (maxnreg; default the kernel's MAX_REGISTERS)")
     p.add_argument("--sass", type=Path, default=None, help="also write the SASS here")
     args = p.parse_args(argv)
     if args.window < 1 or args.max_pending < 0:
@@ -135,14 +137,15 @@ def main(argv=None) -> int:
     import triton
 
     compiled, consts = compile_closed_form(args.window, None if args.plain else args.max_pending, BV=args.bv,
-                                           num_warps=args.warps)
+                                           num_warps=args.warps, max_registers=args.max_registers)
     sass = sass_of(compiled)
     if args.sass:
         args.sass.write_text(sass)
     s = summary(sass)
     form = "plain" if args.plain else f"ring L={args.max_pending}"
     print(f"gdn_closed_form_kernel sm_90, Triton {triton.__version__}: {form}, W={args.window} (WP={consts['WP']}, "
-          f"PP={consts['PP']}, KC={consts['KC']}), BV={args.bv}, {args.warps} warp(s)")
+          f"PP={consts['PP']}, KC={consts['KC']}), BV={args.bv}, {args.warps} warp(s), "
+          f"{compiled.metadata.maxnreg if hasattr(compiled.metadata, 'maxnreg') else '?'} registers at most")
     print(f"{s['instructions']} instructions, {s['local']} local-memory (spill) instructions; "
           + ", ".join(f"{k} {v}" for k, v in s["ops"].most_common(8)))
     for a, b, n, c in s["loops"]:
