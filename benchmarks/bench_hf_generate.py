@@ -463,7 +463,7 @@ def run(args) -> dict:
             sa, sb = runs[a]["tokens"], runs[b]["tokens"]
             d = first_diff(sa, sb)
             entry = {"equal": d is None, "first_diff": d}
-            if d is not None:
+            if d is not None and d < min(len(sa), len(sb)):  # else one is a prefix of the other (an end of sequence)
                 ta, tb = sa[d], sb[d]
                 entry.update({"token_a": ta, "token_b": tb})
                 if sa[:d] == runs["hf"]["tokens"][:d]:  # the prefix is hf's: the unconverted model's logits
@@ -567,7 +567,9 @@ def print_table(res: dict) -> None:
               f"{', capture failed: ' + g['failed'] if g['failed'] else ''}; graphs+lookup: {ga['rounds']} rounds, "
               f"mean accepted length {ga['mean_accepted_length']:.2f}")
     for pair, a in res["agreement"].items():
-        if not a["equal"]:
+        if not a["equal"] and "token_a" not in a:
+            print(f"  {pair}: the shorter run is a prefix of the other (it ended at new token {a['first_diff']})")
+        elif not a["equal"]:
             print(f"  {pair}: first difference at new token {a['first_diff']} "
                   f"({a['token_a']} vs {a['token_b']}); {a['gap_model']} model there: top1-top2 "
                   f"{a['top1_minus_top2']:.4g}, logit(a)-logit(b) {a['logit_a_minus_b']:.4g}")
@@ -603,8 +605,10 @@ def print_kernels(res: dict) -> None:
     if res["hf_kernels"]:
         print("hf kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_kernels"].items()))
     if res["hf_torch_same_as_hf"]:
-        print("hf-torch kernels: the same as hf (transformers' PyTorch functions; no fla-core kernels bound), "
-              "so hf-torch repeats hf's path")
+        fla = any(str(v).startswith("fla.") for v in (res["hf_kernels"] or {}).values())
+        why = ("fla-core's: this family's functions were not unwrapped" if fla
+               else "transformers' PyTorch functions; no fla-core kernels bound")
+        print(f"hf-torch kernels: the same as hf ({why}), so hf-torch repeats hf's path")
     elif res["hf_torch_kernels"]:
         print("hf-torch kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_torch_kernels"].items()))
 

@@ -125,6 +125,32 @@ def divergence(run: list[int], hf: list[int], hf_logits: torch.Tensor, prompt_le
     return entry
 
 
+def summarize_runs(rows: list[dict]) -> dict:
+    """Per run, over the prompts in ``rows`` (each ``{"runs": {name: entry}}`` as
+    :func:`run_demo` records them): the median tokens/s, its ratio to ``hf``'s, the mean
+    acceptance, how many prompts equal ``hf`` and the largest top1-top2 gap of the unconverted
+    target where a run first differs (``None`` when none differs by a token: equal, or shorter
+    or longer only)."""
+    names = list(rows[0]["runs"])
+    summary = {}
+    for name in names:
+        vals = [r["runs"][name] for r in rows]
+        s = {"tokens_per_s_median": statistics.median(v["tokens_per_s"] for v in vals)}
+        if "mean_accepted_length" in vals[0]:
+            s["mean_accepted_length_mean"] = statistics.fmean(v["mean_accepted_length"] for v in vals)
+            width = max(len(v["position_rates"]) for v in vals)
+            s["position_rates_mean"] = [statistics.fmean(v["position_rates"][j] if j < len(v["position_rates"])
+                                                         else 0.0 for v in vals) for j in range(width)]
+        if name != "hf":
+            s["tokens_equal_hf"] = all(v["tokens_equal_hf"] for v in vals)
+            s["prompts_equal_hf"] = sum(v["tokens_equal_hf"] for v in vals)
+            gaps = [v["top1_minus_top2"] for v in vals if "top1_minus_top2" in v]  # a length-only difference has none
+            s["largest_top1_minus_top2_at_first_diff"] = max(gaps) if gaps else None
+            s["speedup_over_hf"] = s["tokens_per_s_median"] / summary["hf"]["tokens_per_s_median"]
+        summary[name] = s
+    return summary
+
+
 def run_demo(ns) -> dict:
     """Run every prompt through the runs above; returns the results dict (per prompt and summed).
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
@@ -169,23 +195,7 @@ def run_demo(ns) -> dict:
                                  acceptance_rate=r.stats.acceptance_rate,
                                  position_rates=list(r.stats.position_rates))
                 rows[i]["runs"][key] = entry
-    names = list(rows[0]["runs"])
-    summary = {}
-    for name in names:
-        vals = [r["runs"][name] for r in rows]
-        s = {"tokens_per_s_median": statistics.median(v["tokens_per_s"] for v in vals)}
-        if "mean_accepted_length" in vals[0]:
-            s["mean_accepted_length_mean"] = statistics.fmean(v["mean_accepted_length"] for v in vals)
-            width = max(len(v["position_rates"]) for v in vals)
-            s["position_rates_mean"] = [statistics.fmean(v["position_rates"][j] if j < len(v["position_rates"])
-                                                         else 0.0 for v in vals) for j in range(width)]
-        if name != "hf":
-            s["tokens_equal_hf"] = all(v["tokens_equal_hf"] for v in vals)
-            s["prompts_equal_hf"] = sum(v["tokens_equal_hf"] for v in vals)
-            gaps = [v["top1_minus_top2"] for v in vals if not v["tokens_equal_hf"]]
-            s["largest_top1_minus_top2_at_first_diff"] = max(gaps) if gaps else None
-            s["speedup_over_hf"] = s["tokens_per_s_median"] / summary["hf"]["tokens_per_s_median"]
-        summary[name] = s
+    summary = summarize_runs(rows)
     return {"model": str(target_dir), "draft": str(draft_dir), "dtype": ns.dtype, "device": str(device),
             "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens, "repeats": ns.repeats,
             "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary}

@@ -195,7 +195,9 @@ class StatePool:
             the folded commit). ``> 1`` needs ``mode="fast"`` and ``folded=True``.
         max_window: fast folded mode: the longest verify window a step may have (sizes the
             rings: ``max(max_pending, max_window) + max_window`` positions per slot); default
-            ``max_tokens``.
+            ``max_tokens``. ``flush`` launches with it, so set it to the window the steps verify
+            (``k + 1``) and the flush reuses their compiled kernel; a longer one costs ring memory
+            and one more kernel variant.
 
     Attributes:
         gdn_state(layer) / conv_state(layer): views ``[S, ...]`` of one layer's states.

@@ -170,3 +170,36 @@ def test_demo_divergence_names_the_first_different_token_and_its_gaps(monkeypatc
     assert (d["first_diff"], d["token_hf"], d["token_run"]) == (1, 7, 2)
     assert d["top1_minus_top2"] == 0.5 and d["logit_a_minus_b"] == 0.5 and d["top1_token"] == 7
     assert divergence([1, 7], [1, 7, 3], logits, 3) == {"tokens_equal_hf": False, "first_diff": 2}
+
+
+def test_demo_summary_and_table_take_a_run_that_only_ends_early(monkeypatch, capsys):
+    """A prompt whose run differs from hf's only in length (an early end of sequence) counts as
+    not equal but has no gaps: the summary's largest gap comes from the token differences alone
+    and the printed table names only those."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from hf_demo import divergence, print_demo, summarize_runs
+
+    logits = torch.zeros(2 + 3, 10)
+    logits[2, 7], logits[2, 2] = 3.0, 2.75  # new token 1 is predicted from position 2 + 0
+    plain = [1, 7, 3]
+    runs = [[1, 2, 3], [1, 7]]  # prompt 0 parts at token 1; prompt 1 ends early
+    rows = []
+    for i, run in enumerate(runs):
+        rows.append({"file": f"f{i}", "kind": "code", "runs": {
+            "hf": {"tokens_per_s": 10.0 + i, "tokens_equal_hf": True},
+            "ours+lookup": {"tokens_per_s": 20.0 + 2 * i, "mean_accepted_length": 2.0 + i,
+                            "position_rates": [0.5] * (i + 1), **divergence(run, plain, logits, 2)}}})
+    summary = summarize_runs(rows)
+    s = summary["ours+lookup"]
+    assert s["prompts_equal_hf"] == 0 and not s["tokens_equal_hf"]
+    assert s["largest_top1_minus_top2_at_first_diff"] == 0.25
+    assert s["speedup_over_hf"] == 21.0 / 10.5 and s["position_rates_mean"] == [0.5, 0.25]
+    rows[0]["runs"]["ours+lookup"] = {**rows[0]["runs"]["ours+lookup"], **divergence(plain, plain, logits, 2)}
+    rows[0]["runs"]["ours+lookup"].pop("top1_minus_top2")
+    assert summarize_runs(rows)["ours+lookup"]["largest_top1_minus_top2_at_first_diff"] is None
+    print_demo({"model": "m", "draft": "d", "dtype": "float32", "device": "cpu", "new_tokens": 3,
+                "num_draft_tokens": 2, "prompts": rows, "summary": summary})
+    out = capsys.readouterr().out
+    assert "ours+lookup" in out and "0/2" in out and "prompt 1" not in out

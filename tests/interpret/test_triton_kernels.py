@@ -531,10 +531,12 @@ def test_closed_form_ring_kernel_matches_cpu_twin_past_four_pending(case):
         assert rel_err(a[~torch.isnan(ref)], ref[~torch.isnan(ref)]) < 1e-5
 
 
-def test_flush_with_the_pools_max_window_is_the_flush_with_none():
-    """``StatePool.flush`` launches with the pool's ``max_window`` (W = 4: PP = 16, a step's binary)
-    instead of 0 (PP = 32): for every valid pending count (up to ``max(max_pending, W)`` = 16,
-    wrapping round the ring) the folded states are the same bits, and nothing else is written."""
+def test_fold_only_launch_with_a_max_window_equals_the_one_with_zero():
+    """The launch ``StatePool.flush`` makes (the closed-form op with empty windows and
+    ``max_pending = 0``; this test calls the op, not the pool) with the pool's ``max_window``
+    (W = 4: PP = 16, a step's binary) instead of 0 (PP = 32): for every valid pending count (up to
+    ``max(max_pending, W)`` = 16, wrapping round the ring) the folded states are the same bits,
+    and nothing else is written."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, pending_block
 
     HV, H, K, V, R, S = 2, 1, 12, 20, 20, 6
