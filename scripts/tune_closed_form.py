@@ -1,14 +1,16 @@
 """Sweep the tiles (BV, num_warps) of fast mode's closed-form kernel, and check its bits.
 
-For each batch, window and candidate tile this times (CUDA graphs over rotating slot sets, L2
-flushed: ``benchmarks/bench_ops.Timer``) the plain closed-form verify, the lazy verify with 12
-tokens pending under ``max_pending = 16`` (history, no fold) and the folded form with ``W``
-pending under ``max_pending = 1`` (a fold every step); reports each as a fraction of the copy
-bandwidth for the bytes it must move, beside the exact verify; and checks that every tile's
-outputs, records and folded states equal the first tile's bit for bit.
+For each batch, window, candidate tile and register cap this times (CUDA graphs over rotating
+slot sets, L2 flushed: ``benchmarks/bench_ops.Timer``) the plain closed-form verify, the lazy
+verify with 12 tokens pending under ``max_pending = 16`` (history, no fold), the lazy fold with 15
+pending under ``max_pending = 16`` (the folding step of a lazy cycle) and the folded form with
+``W`` pending under ``max_pending = 1`` (a fold every step); reports each as a fraction of the
+copy bandwidth for the bytes it must move, beside the exact verify; and checks that every
+variant's outputs, records and folded states equal the first one's bit for bit.
 
     python scripts/tune_closed_form.py                               # H200: B=64, W=2,4,8, fp32
     python scripts/tune_closed_form.py --batch 1,4,256 --windows 4 --state-dtype bfloat16
+    python scripts/tune_closed_form.py --windows 4 --tiles 128:1 --max-registers 128,96,80
     TRITON_INTERPRET=1 python scripts/tune_closed_form.py --device cpu   # smoke test (tiny)
 
 The winners go into ``TILES`` (kernel ``"closed_form"``) in ``ssm_spec/ops/gdn/inner.py`` by hand.
@@ -28,7 +30,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
 from bench_ops import Shape, Timer, aligned_rows, copy_bandwidth  # noqa: E402
 
-from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions  # noqa: E402
+from ssm_spec.ops.gdn.closed_form import MAX_REGISTERS, RecordRing, launch_closed_form, ring_positions  # noqa: E402
 from ssm_spec.ops.gdn.inner import block_k, gdn_tile_config  # noqa: E402
 from ssm_spec.ops.gdn.verify import launch_gdn_window  # noqa: E402
 
@@ -41,6 +43,8 @@ def parse(argv=None):
     p.add_argument("--windows", type=ints, default=[2, 4, 8])
     p.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--tiles", default="8:1,16:1,32:1,32:2,64:2,64:4", help="BV:num_warps,...")
+    p.add_argument("--max-registers", type=ints, default=None,
+                   help="register caps to sweep per tile (maxnreg; default: the kernel's MAX_REGISTERS)")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)
 
@@ -55,6 +59,7 @@ def main(argv=None):
     copy = copy_bandwidth(timer, (1 << 20) if cpu else (2 << 30), dev)
     args.batch = args.batch or ([2] if cpu else [64])
     tiles = [(block_k(K), *map(int, t.split(":"))) for t in args.tiles.split(",")]
+    caps = args.max_registers or [MAX_REGISTERS]
     rows = []
     for B in args.batch:
         for W in args.windows:
@@ -85,22 +90,29 @@ def main(argv=None):
             zeros = torch.zeros(B, dtype=torch.int32, device=dev)
             p_hist = torch.full_like(zeros, min(12, 16 - W))
             p_fold = torch.full_like(zeros, W)
+            p_lfold = torch.full_like(zeros, 15)  # 15 + W > 16 for W >= 2: the lazy cycle's folding step
             scale = K**-0.5
             slot_b = B * shape.slot_bytes
             act_b = T * ((2 * H * K + HV * V) * 2 + HV * 4 + HV * 2) + T * HV * V * 2
             rec_b = T * shape.record_bytes_per_token
             need = {"plain": slot_b + act_b + rec_b,
                     "lazy_hist": slot_b + act_b + rec_b + B * int(p_hist[0]) * shape.record_bytes_per_token,
+                    "lazy_fold": 2 * slot_b + act_b + rec_b + B * 15 * shape.record_bytes_per_token,
                     "folded": 2 * slot_b + act_b + rec_b + B * W * shape.record_bytes_per_token}
 
-            def calls(tile):
+            def calls(tile, cap):
                 return {
                     "plain": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rec, W, scale,
-                                                          True, config=tile),
+                                                          True, config=tile, max_registers=cap),
                     "lazy_hist": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
-                                                              scale, True, pending=(zeros, p_hist, 16), config=tile),
+                                                              scale, True, pending=(zeros, p_hist, 16), config=tile,
+                                                              max_registers=cap),
+                    "lazy_fold": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
+                                                              scale, True, pending=(zeros, p_lfold, 16), config=tile,
+                                                              max_registers=cap),
                     "folded": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[1], W,
-                                                           scale, True, pending=(zeros, p_fold, 1), config=tile),
+                                                           scale, True, pending=(zeros, p_fold, 1), config=tile,
+                                                           max_registers=cap),
                 }
 
             # the bit check's inputs, kept before any timed call writes the pool or the rings
@@ -111,35 +123,40 @@ def main(argv=None):
             exact_us, _ = timer.time_call(lambda i: launch_gdn_window(q, k, v, g, beta, pool, src[i], qsl, None, out,
                                                                       rec, scale, True, config=exact_tile), n_sets)
             first = None
-            for tile in tiles:
+            for tile, cap in [(t, c) for t in tiles for c in caps]:
                 try:
-                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile).items()}
+                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap).items()}
                 except Exception as exc:  # a tile the compiler rejects: report, go on
-                    print(f"B={B} W={W} tile {tile}: {type(exc).__name__}: {str(exc)[:200]}")
+                    print(f"B={B} W={W} tile {tile} cap {cap}: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 # bits: set 0, fresh copies, every output
                 p0, r16, r1 = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16])), \
                     RecordRing(*(x.clone() for x in rings_ref[1]))
+                p1, r16f = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16]))
+                opts = dict(config=tile, max_registers=cap)
                 o_a, rec_a = torch.empty_like(out), tuple(torch.empty_like(x) for x in rec)
-                launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_a, rec_a, W, scale, True, config=tile)
+                launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_a, rec_a, W, scale, True, **opts)
                 o_b = torch.empty_like(out)
                 launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_b, r16, W, scale, True,
-                                   pending=(zeros, p_hist, 16), config=tile)
+                                   pending=(zeros, p_hist, 16), **opts)
                 o_c = torch.empty_like(out)
                 launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_c, r1, W, scale, True,
-                                   pending=(zeros, p_fold, 1), config=tile)
-                bits = (o_a, *rec_a, o_b, o_c, p0, *r16, *r1)
+                                   pending=(zeros, p_fold, 1), **opts)
+                o_d = torch.empty_like(out)
+                launch_closed_form(q, k, v, g, beta, p1, rows0, qsl, o_d, r16f, W, scale, True,
+                                   pending=(zeros, p_lfold, 16), **opts)
+                bits = (o_a, *rec_a, o_b, o_c, p0, *r16, *r1, o_d, p1, *r16f)
                 same = None
                 if first is None:
                     first = bits
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(first, bits))
-                row = {"batch": B, "W": W, "tile": list(tile), "state_dtype": args.state_dtype,
+                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "state_dtype": args.state_dtype,
                        "exact_verify_us": exact_us, **{f"{n}_us": t for n, t in times.items()},
                        **{f"{n}_frac_copy": need[n] / t / 1e3 / copy["gbps"] for n, t in times.items()},
                        "bits_equal_first_tile": same}
                 rows.append(row)
-                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} | exact {exact_us:7.1f} | "
+                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} | exact {exact_us:7.1f} | "
                       + " ".join(f"{n} {times[n]:7.1f} ({100 * row[f'{n}_frac_copy']:3.0f}%)" for n in times)
                       + f" | bits {'ref' if same is None else same}", flush=True)
             del pool, rings
@@ -148,18 +165,19 @@ def main(argv=None):
     print(f"copy bandwidth {copy['gbps']:.0f} GB/s")
     best = {}
     for r in rows:
-        for n in ("plain", "lazy_hist", "folded"):
+        for n in ("plain", "lazy_hist", "lazy_fold", "folded"):
             key = (r["batch"], r["W"], n)
             if key not in best or r[f"{n}_us"] < best[key][f"{n}_us"]:
                 best[key] = r
     for (B, W, n), r in sorted(best.items()):
-        print(f"best B={B} W={W} {n}: BV={r['tile'][1]} warps={r['tile'][2]} {r[f'{n}_us']:.1f} us "
+        print(f"best B={B} W={W} {n}: BV={r['tile'][1]} warps={r['tile'][2]} regs={r['max_registers']} "
+              f"{r[f'{n}_us']:.1f} us "
               f"({100 * r[f'{n}_frac_copy']:.0f}% of copy bw)")
     bad = [r for r in rows if r["bits_equal_first_tile"] is False]
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_gbps": copy["gbps"], "rows": rows}, indent=1))
     if bad:
-        print(f"FAIL: {len(bad)} tiles' bits differ from the first tile's")
+        print(f"FAIL: {len(bad)} variants' bits differ from the first one's")
         return 1
     return 0
 

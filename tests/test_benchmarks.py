@@ -341,9 +341,9 @@ def test_bench_hf_tp_refuses_heads_the_ranks_cannot_share(monkeypatch, capsys):
 def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeypatch):
     """``scripts/offline_sass.py`` (no GPU: Triton's own sm_90 compiler): the loop finder takes
     a backward branch's range, innermost first, on a hand-written listing; the real ring kernel
-    at L=8, W=2 (PP = 8: the fold by blocks of 4 records) compiles and shows three loops: the
+    at L=8, W=2 (PP = 8: the fold by blocks of 4 records) compiles and shows four loops: the
     block loop (a rank-4 update: 4 records x 4 rows x 4 values per lane = 64 FMAs) inside the
-    chunk loop, and the history loop after it."""
+    chunk loop, and after it the history's key products and its record loop."""
     pytest.importorskip("triton")
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import offline_sass
@@ -358,7 +358,7 @@ def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeyp
     assert "ring L=8, W=2 (WP=2, PP=8, KC=4)" in out, out
     found = [tuple(int(x, 16) for x in re.match(r"loop (0x\w+)-(0x\w+)", ln).groups()) + (ln,)
              for ln in out.splitlines() if ln.startswith("loop")]
-    assert len(found) == 3, out
+    assert len(found) == 4, out
     nested = [(a, b) for a, b, _ in found if any(c < a and b < d for c, d, _ in found)]
     assert len(nested) == 1, out  # the block loop, inside the chunk loop
     block = next(ln for a, b, ln in found if (a, b) == nested[0])

@@ -219,7 +219,7 @@ def gdn_closed_form_kernel(
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, WP: tl.constexpr,
-    PP: tl.constexpr,
+    PP: tl.constexpr, KH: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr, RING: tl.constexpr,
 ):
     """One program per (V tile, row x value head); the state streams through in chunks of
@@ -297,8 +297,6 @@ def gdn_closed_form_kernel(
                 o_b = tl.arange(0, PP // 4)
             fold = (pn > 0) & (pn + W > L)
             hist = (pn > 0) & (pn + W <= L)
-            Dk = tl.zeros([WP, PP], dtype=tl.float32)  # raw window keys . pending k̂
-            Dq = tl.zeros([WP, PP], dtype=tl.float32)
         # ---- the window's normalised keys and queries, the Gram rows, the record's k̂
         KmT, QmT, ik, iq = _window_keys(k_ptr, q_ptr, tok, i_h, o_k, m_k, m_w, s_kt, s_kh, s_kk, s_qt, s_qh, s_qk,
                                         USE_QK_L2NORM, USE_PTX)
@@ -347,18 +345,29 @@ def gdn_closed_form_kernel(
                               other=0).to(tl.float32)
                 x_q = tl.load(q_ptr + tok[None, :] * s_qt + i_h * s_qh + rows[:, None] * s_qk, mask=m_rw,
                               other=0).to(tl.float32)
-                if RING:
-                    if hist:  # the window's raw keys and queries against the pending k̂
-                        kp = tl.load(rk_ptr + slot * s_rks + pos_p[None, :] * s_rkt + i_h * s_rkh
-                                     + rows[:, None] * s_rkk, mask=m_r[:, None] & m_p[None, :], other=0)
-                        Dk = chain_rows(Dk, x_k, kp)
-                        Dq = chain_rows(Dq, x_q, kp)
                 AK = chain_rows(AK, x_k, b_s)
                 AQ = chain_rows(AQ, x_q, b_s)
         KS = AK * ik[:, None]
         QS = (AQ * iq[:, None]) * scale
         if RING:
             if hist:  # X S_P = exp(G_P) X S0 + sum_p exp(G_P - G_p) (X k̂_p) u_p^T
+                # the window's raw keys and queries against the pending k̂, [WP, PP], in a loop of
+                # their own after the state's (live beside the state chunk they spilled): one FMA
+                # chain per product over the key axis in index order, as before (same bits)
+                Dk = tl.zeros([WP, PP], dtype=tl.float32)
+                Dq = tl.zeros([WP, PP], dtype=tl.float32)
+                for c in range(0, BK // KH):
+                    rows = c * KH + tl.arange(0, KH)
+                    m_r = rows < K
+                    m_rw = m_r[:, None] & m_w[None, :]
+                    x_k = tl.load(k_ptr + tok[None, :] * s_kt + i_h * s_kh + rows[:, None] * s_kk, mask=m_rw,
+                                  other=0).to(tl.float32)
+                    x_q = tl.load(q_ptr + tok[None, :] * s_qt + i_h * s_qh + rows[:, None] * s_qk, mask=m_rw,
+                                  other=0).to(tl.float32)
+                    kp = tl.load(rk_row + pos_p[None, :] * s_rkt + rows[:, None] * s_rkk,
+                                 mask=m_r[:, None] & m_p[None, :], other=0)
+                    Dk = chain_rows(Dk, x_k, kp)
+                    Dq = chain_rows(Dq, x_q, kp)
                 eGP = tl.exp(GP)
                 KS = KS * eGP
                 QS = QS * eGP
@@ -443,6 +452,17 @@ def key_chunk(BK: int, WP: int, ring: bool) -> int:
     return max(1, min(kc, BK))
 
 
+def history_chunk(BK: int, WP: int) -> int:
+    """Key rows per chunk of the history path's loop (the window's raw keys and queries against
+    the pending ``k̂``, after the state loop). Bits do not depend on it (one FMA chain over the
+    key axis whatever the chunk)."""
+    return max(1, min(HISTORY_CHUNK, BK))
+
+
+#: Key rows per chunk of the history products' loop (:func:`history_chunk`).
+HISTORY_CHUNK = 4
+
+
 def window_block(max_window: int) -> int:
     """The kernel's window block ``WP = next_pow2(max(1, max_window))`` (a constexpr: one
     binary per power of two)."""
@@ -467,13 +487,14 @@ def ring_positions(max_pending: int, max_window: int) -> int:
 
 
 def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, record, max_window, scale,
-                       use_qk_l2norm, pending=None, config=None):
+                       use_qk_l2norm, pending=None, config=None, max_registers=None):
     """Launch :func:`gdn_closed_form_kernel` (no allocation).
 
     ``record`` is ``(u, k, third)``: token rows ``[T, ...]`` with ``third = decay`` when
     ``pending`` is None, else the ring ``[S, R, ...]`` with ``third = g``; ``pending`` is
     ``(pending_start [B], pending_count [B], max_pending)``. ``config`` overrides the tile
-    ``(BK, BV, num_warps)`` (bits do not depend on it).
+    ``(BK, BV, num_warps)`` and ``max_registers`` the register cap (default
+    :data:`MAX_REGISTERS`; compiled launches only); bits depend on neither.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -500,8 +521,9 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=key_chunk(BK, WP, pending is not None), WP=WP,
-        PP=pending_block(R, max_window), USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
-        RING=pending is not None, num_warps=num_warps, **({"maxnreg": MAX_REGISTERS} if use_ptx() else {}),
+        PP=pending_block(R, max_window), KH=history_chunk(BK, WP), USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
+        RING=pending is not None, num_warps=num_warps,
+        **({"maxnreg": int(max_registers or MAX_REGISTERS)} if use_ptx() else {}),
     )
 
 
