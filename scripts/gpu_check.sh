@@ -126,7 +126,7 @@ for part in $PARTS; do
       ;;
     fast)  # fast mode's committed numbers (benchmarks/results/fast_mode/): B=64, k=3, fp32
       mkdir -p "$OUT/fast_mode"
-      python3 scripts/tune_closed_form.py --batch 64 --windows 2,4,8 --tiles 128:1 --max-registers "${FAST_CAPS:-128,96}" \
+      python3 scripts/tune_closed_form.py --batch 64 --windows 2,4,8 --tiles 128:1 --max-registers "${FAST_CAPS:-128,96}" --ring-key-rows "${FAST_RING_KC:-4,8}" \
         --out "$OUT/fast_mode/tune_closed_form_b64_w2-4-8_float32.json" > "$OUT/fast_mode/tune.log" 2>&1
       python3 benchmarks/bench_ops.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_ops.log" 2>&1
       python3 benchmarks/bench_step.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_step.log" 2>&1

@@ -41,10 +41,11 @@ INT32_POINTERS = ("slot_ptr", "qsl_ptr", "pstart_ptr", "pcount_ptr")
 
 
 def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: int = 128, BV: int = 128,
-                        num_warps: int = 1, max_registers: int | None = None):
+                        num_warps: int = 1, max_registers: int | None = None, key_rows: int | None = None):
     """Triton's compiled ``gdn_closed_form_kernel`` for ``sm_90``: the plain form when
     ``max_pending`` is None, else the ring form with the pool's pending block
-    (``PP = pending_block(ring_positions(max_pending, window), window)``)."""
+    (``PP = pending_block(ring_positions(max_pending, window), window)``); ``key_rows``
+    overrides the state loop's chunk (``KC``, default :func:`key_chunk`'s)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -57,7 +58,7 @@ def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: i
     WP = window_block(window)
     PP = pending_block(ring_positions(max_pending, window), window) if ring else 1
     BK = block_k(K)
-    consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, KC=key_chunk(BK, WP, ring), WP=WP, PP=PP,
+    consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, KC=key_rows or key_chunk(BK, WP, ring), WP=WP, PP=PP,
                   KH=history_chunk(BK, WP),
                   USE_QK_L2NORM=True, USE_PTX=True, RING=ring, **{s: 1 for s in UNIT_STRIDES})
     names = gdn_closed_form_kernel.arg_names
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--warps", type=int, default=1)
     p.add_argument("--max-registers", type=int, default=None,
                    help="register cap (maxnreg; default the kernel's MAX_REGISTERS)")
+    p.add_argument("--key-rows", type=int, default=None,
+                   help="the state loop's key rows per chunk (KC; default the launch's)")
     p.add_argument("--sass", type=Path, default=None, help="also write the SASS here")
     args = p.parse_args(argv)
     if args.window < 1 or args.max_pending < 0:
@@ -138,7 +141,8 @@ def main(argv=None) -> int:
     import triton
 
     compiled, consts = compile_closed_form(args.window, None if args.plain else args.max_pending, BV=args.bv,
-                                           num_warps=args.warps, max_registers=args.max_registers)
+                                           num_warps=args.warps, max_registers=args.max_registers,
+                                           key_rows=args.key_rows)
     sass = sass_of(compiled)
     if args.sass:
         args.sass.write_text(sass)

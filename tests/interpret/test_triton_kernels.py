@@ -561,6 +561,42 @@ def test_fold_only_launch_with_a_max_window_equals_the_one_with_zero():
     assert [s for s in range(S) if not same_bits(pools[0][s], pool[s])] == [0, 1, 2, 4, 5]
 
 
+def test_closed_form_key_rows_per_chunk_do_not_change_bits():
+    """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``):
+    1, 4 and 16 give the same outputs, rings and states bit for bit on rows that fold (15 pending
+    under L = 16), take the history path (3 and 12 pending) or have nothing pending, with a
+    bf16 state; a chunk that is not a power of two <= BK is a ``ValueError`` before any launch."""
+    from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions
+
+    HV, H, K, V, L, W = 2, 1, 16, 8, 16, 4
+    wins, counts, starts = [4, 4, 3, 4], [15, 12, 3, 0], [5, 19, 0, 9]
+    S, R, T = len(wins), ring_positions(L, W), sum(wins)
+    gen = torch.Generator().manual_seed(11)
+    inp = gdn_inputs(T, H, HV, K, V, "cpu", gen=gen)
+    qsl = i32([0, 4, 8, 11, 15], "cpu")
+    src, start, count = i32(range(S), "cpu"), i32(starts, "cpu"), i32(counts, "cpu")
+    k = torch.randn(S, R, H, K, generator=gen)
+    ring0 = RecordRing(torch.randn(S, R, HV, V, generator=gen), k / k.norm(dim=-1, keepdim=True),
+                       -torch.rand(S, R, HV, generator=gen) * 2)
+    pool = random_pool(S, HV, K, V, "cpu", dtype=torch.bfloat16, gen=gen)
+    results = []
+    for rows in (1, 4, 16):
+        p, r = pool.clone(), RecordRing(*(x.clone() for x in ring0))
+        out = torch.full((T, HV, V), float("nan"))
+        launch_closed_form(*inp.args(), p, src, qsl, out, r, W, K**-0.5, True, pending=(start, count, L),
+                           key_rows=rows)
+        results.append((out, p, *r))
+    for other in results[1:]:
+        assert all(same_bits(a, b) for a, b in zip(results[0], other))
+    assert not same_bits(results[0][1][0], pool[0]) and same_bits(results[0][1][1:], pool[1:])  # only row 0 folds
+    for bad in (3, 32, 0):
+        p = pool.clone()
+        with pytest.raises(ValueError, match="key_rows"):
+            launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
+                               True, pending=(start, count, L), key_rows=bad)
+        assert same_bits(p, pool)
+
+
 def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():
     """The fold with ``PP = 16`` (a runtime loop over blocks of 4 records, the last block masked
     past the count) at counts 5, 7, 8, 15, 16 (and 1, 4), starts wrapping round the ring, with and

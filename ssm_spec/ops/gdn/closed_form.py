@@ -487,14 +487,15 @@ def ring_positions(max_pending: int, max_window: int) -> int:
 
 
 def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, record, max_window, scale,
-                       use_qk_l2norm, pending=None, config=None, max_registers=None):
+                       use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None):
     """Launch :func:`gdn_closed_form_kernel` (no allocation).
 
     ``record`` is ``(u, k, third)``: token rows ``[T, ...]`` with ``third = decay`` when
     ``pending`` is None, else the ring ``[S, R, ...]`` with ``third = g``; ``pending`` is
     ``(pending_start [B], pending_count [B], max_pending)``. ``config`` overrides the tile
-    ``(BK, BV, num_warps)`` and ``max_registers`` the register cap (default
-    :data:`MAX_REGISTERS`; compiled launches only); bits depend on neither.
+    ``(BK, BV, num_warps)``, ``max_registers`` the register cap (default :data:`MAX_REGISTERS`;
+    compiled launches only) and ``key_rows`` the state loop's rows per chunk (a power of two
+    ``<= BK``; default :func:`key_chunk`); bits depend on none of them.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -514,13 +515,16 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
     grid = (triton.cdiv(V, BV), B * HV)
     WP = window_block(max_window)
+    KC = key_chunk(BK, WP, pending is not None) if key_rows is None else int(key_rows)
+    if KC < 1 or KC > BK or KC & (KC - 1):
+        raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
         float(scale), T, state.shape[0], R, int(L), max(0, R - int(max_window)),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=key_chunk(BK, WP, pending is not None), WP=WP,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=KC, WP=WP,
         PP=pending_block(R, max_window), KH=history_chunk(BK, WP), USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
         RING=pending is not None, num_warps=num_warps,
         **({"maxnreg": int(max_registers or MAX_REGISTERS)} if use_ptx() else {}),
