@@ -144,6 +144,27 @@ def test_bad_draft_is_refused_before_the_target_loads(capsys, no_model_loads, tm
     assert "no config.json" in capsys.readouterr().err
 
 
+def test_an_unloadable_draft_checkpoint_fails_before_any_timed_run(capsys, monkeypatch, tmp_path):
+    """A draft directory with a config but a broken weights file: a one-line error right after
+    the target loads, before minutes of timed generation (no ``generate`` call at all)."""
+    import shutil
+
+    from ssm_spec.assets import demo_dir
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    shutil.copy(demo_dir() / "draft" / "config.json", draft / "config.json")
+    (draft / "model.safetensors").write_bytes(b"")
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a run was timed before the draft loaded")
+
+    monkeypatch.setattr(cli_generate, "timed_generate", no_timing)
+    assert cli.main(["generate", "--device", "cpu", "--max-new-tokens", "4", "--draft", str(draft)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("ssm-spec generate: error: --draft") and "cannot load" in err[-1], err
+
+
 def test_length_warning_comes_before_the_model_loads(capsys, monkeypatch):
     """Prompt + --max-new-tokens past the tiny model's max_position_embeddings (4096) warns on
     stderr before anything loads (here the load is stopped right after)."""

@@ -722,6 +722,24 @@ def test_convert_then_dispatch_with_disk_offload(tmp_path):
     assert torch.equal(out, plain)
 
 
+def test_drafts_on_a_model_whose_embeddings_are_offloaded_are_refused_clearly(tmp_path):
+    """With ``model.embed_tokens`` offloaded to the disk ``model.device`` is ``meta``, where
+    transformers' assisted loop moves every drafted token (accelerate then fails deep inside
+    with "Cannot copy out of meta tensor"): prompt lookup and an assistant get a ``ValueError``
+    naming the cause before any forward; plain greedy still gives the unconverted tokens."""
+    pytest.importorskip("accelerate")
+    ids = _ids()
+    plain = _greedy(tiny_model("qwen3_5", seed=3), ids, 24)
+    dm = {**_device_map(["cpu"] * 4, "cpu"), "model.embed_tokens": "disk"}
+    model = apply_recoverssm(_dispatch(tiny_model("qwen3_5", seed=3), dm, offload_dir=str(tmp_path)))
+    assert model.device == META
+    assert torch.equal(_greedy(model, ids, 24), plain)
+    draft = apply_recoverssm(tiny_model("qwen3_5", seed=4))
+    for kw in ({"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
+        with pytest.raises(ValueError, match="model.device.*'meta'"):
+            _greedy(model, ids, 24, **kw)
+
+
 def test_carried_hook_is_a_copy_that_keeps_the_original_devices():
     """``carry_hook`` attaches a copy (of each member of a ``SequentialHook``): attaching runs
     ``init_hook``, which records the module's weight devices, and the converted layer's weights

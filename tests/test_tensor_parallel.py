@@ -110,6 +110,26 @@ def test_heads_not_divisible_by_the_tp_size_raise(tmp_path):
     assert torch.ones(1).item() == 1
 
 
+def test_a_converted_model_refuses_a_tp_group_and_keeps_its_layers(tmp_path):
+    """``apply_recoverssm(model, tp_group=...)`` on a model converted without one: a
+    ``ValueError`` (sharding happens on the first conversion), not a silent no-op that leaves
+    every rank holding every head; the layers are untouched."""
+    from ssm_spec.hf import apply_recoverssm, tiny_model
+
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
+    layers = [m for m in model.modules() if type(m).__name__ == "RecoverGDNAdapter"]
+    heads = [layer.num_v_heads for layer in layers]
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="already converted"):
+            apply_recoverssm(model, tp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert [m for m in model.modules() if type(m).__name__ == "RecoverGDNAdapter"] == layers
+    assert [layer.num_v_heads for layer in layers] == heads and all(h > 1 for h in heads)
+
+
 @pytest.mark.parametrize("backend, world", [BACKENDS[0], BACKENDS[2], BACKENDS[3]])
 def test_sharded_decoder_stack_decodes_like_the_unsharded_stack(backend, world, tmp_path):
     """``DecoderStack.shard_`` (GDN heads, attention query / KV heads, MLP width; three

@@ -122,7 +122,10 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
             ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
             sdpa or eager; ``tp_group`` with GDN weights offloaded by a device map (on the
-            ``meta`` device: there is nothing to slice).
+            ``meta`` device: there is nothing to slice), or on a model already converted. The
+            converted ``generate`` raises it for prompt lookup or an assistant when
+            ``model.device`` is ``meta`` (the embeddings offloaded: transformers' assisted loop
+            moves drafted tokens there).
 
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
@@ -139,6 +142,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             raise ValueError(f"apply_recoverssm: cuda_graphs: attention implementation {impl!r}; supported: "
                              f"{SUPPORTED_ATTENTION} (load the model with attn_implementation='sdpa')")
     if is_converted(model):
+        if tp_group is not None:
+            raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
+                             "head); shard on the first conversion: apply_recoverssm(unconverted_model, tp_group=...)")
         if state_dtype is not None:
             model._recoverssm["state_dtype"] = state_dtype
         if mode is not None:
@@ -218,6 +224,13 @@ def _generate(self, *args, **kwargs):
     if assistant is not None and getattr(assistant, "_is_stateful", False):
         raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
                          "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
+    drafted = assistant is not None or bool(named.get("prompt_lookup_num_tokens")
+                                            or getattr(gen_config, "prompt_lookup_num_tokens", None))
+    if drafted and not _is_assistant_call(gen_config, named) and self.device.type == "meta":
+        raise ValueError("generate: prompt lookup and assistants need model.device to hold data, and it is 'meta' "
+                         "here (a device map offloads the model's first weights, e.g. model.embed_tokens, to 'cpu' "
+                         "or 'disk'): transformers' assisted loop moves every drafted token there. Keep "
+                         "model.embed_tokens on an execution device (not offloaded), or generate without drafts")
     R = max(1, draft_length(gen_config, named) + 1)
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))

@@ -664,8 +664,9 @@ def _release_memory() -> None:
 def run(args) -> int:
     """Run ``ssm-spec generate`` for parsed ``args``; print the text and the table.
 
-    Every argument is checked first (nothing loads for a bad one); then the model loads once
-    and three runs are timed on it: plain transformers (as loaded), then, after
+    Every argument is checked first (nothing loads for a bad one); then the model loads once,
+    and a draft checkpoint with it (one that does not load fails before any timing), and three
+    runs are timed on it: plain transformers (as loaded), then, after
     ``apply_recoverssm`` converts it in place, without drafts and with drafts.
 
     Returns the exit status: 0, or 1 when ``--check`` finds tokens that differ from plain greedy.
@@ -697,6 +698,9 @@ def run(args) -> int:
         print(warning, file=sys.stderr)
 
     model, model_desc = load_model(args, device, dtype)
+    early = args.draft not in ("prompt-lookup", "self")  # a checkpoint: an unloadable one fails before any timing
+    if early:
+        draft, draft_desc = load_draft(args, model, device, dtype)
     plain = timed_generate(model, input_ids, args, desc="plain transformers")
     try:
         apply_recoverssm(model)
@@ -708,7 +712,8 @@ def run(args) -> int:
     except ValueError as exc:
         raise CLIError(f"--cuda-graphs: {exc}") from exc
     converted = timed_generate(model, input_ids, args, desc="converted, no drafts")
-    draft, draft_desc = load_draft(args, model, device, dtype)
+    if not early:  # prompt lookup, or the converted model itself
+        draft, draft_desc = load_draft(args, model, device, dtype)
     speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
                    else {"assistant_model": draft})
     spec = timed_generate(model, input_ids, args, desc="converted, with drafts", speculative=speculative)
