@@ -59,7 +59,7 @@ def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: i
     PP = pending_block(ring_positions(max_pending, window), window) if ring else 1
     BK = block_k(K)
     consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, KC=key_rows or key_chunk(BK, WP, ring), WP=WP, PP=PP,
-                  KH=history_chunk(BK, WP),
+                  KH=history_chunk(BK),
                   USE_QK_L2NORM=True, USE_PTX=True, RING=ring, **{s: 1 for s in UNIT_STRIDES})
     names = gdn_closed_form_kernel.arg_names
     signature, attrs = {}, {}

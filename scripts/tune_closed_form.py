@@ -161,7 +161,8 @@ def main(argv=None):
                        **{f"{n}_frac_copy": need[n] / t / 1e3 / copy["gbps"] for n, t in times.items()},
                        "bits_equal_first_tile": same}
                 rows.append(row)
-                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} | exact {exact_us:7.1f} | "
+                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} | "
+                      f"exact {exact_us:7.1f} | "
                       + " ".join(f"{n} {times[n]:7.1f} ({100 * row[f'{n}_frac_copy']:3.0f}%)" for n in times)
                       + f" | bits {'ref' if same is None else same}", flush=True)
             del pool, rings

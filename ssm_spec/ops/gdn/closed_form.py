@@ -452,7 +452,7 @@ def key_chunk(BK: int, WP: int, ring: bool) -> int:
     return max(1, min(kc, BK))
 
 
-def history_chunk(BK: int, WP: int) -> int:
+def history_chunk(BK: int) -> int:
     """Key rows per chunk of the history path's loop (the window's raw keys and queries against
     the pending ``k̂``, after the state loop). Bits do not depend on it (one FMA chain over the
     key axis whatever the chunk)."""
@@ -525,7 +525,8 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=KC, WP=WP,
-        PP=pending_block(R, max_window), KH=history_chunk(BK, WP), USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
+        PP=pending_block(R, max_window), KH=history_chunk(BK), USE_QK_L2NORM=bool(use_qk_l2norm),
+        USE_PTX=use_ptx(),
         RING=pending is not None, num_warps=num_warps,
         **({"maxnreg": int(max_registers or MAX_REGISTERS)} if use_ptx() else {}),
     )
