@@ -400,11 +400,7 @@ def run(args) -> dict:
     hf_torch = {"kernels": None, "patched": None, "same_as_hf": None}
     if args.hf_torch:
         runs["hf-torch"], hf_torch = timed_generate_hf_torch(model, prompt, clock, phases, kernels, **common)
-        same = ""
-        if hf_torch["same_as_hf"]:  # nothing was unwrapped: hf's kernels, fla-core's or not
-            fla = any(str(v).startswith("fla.") for v in hf_torch["kernels"].values())
-            same = (" (the same kernels as hf, fla-core's: this family's functions were not unwrapped)" if fla
-                    else " (the same kernels as hf: no fla-core kernels bound)")
+        same = f" (the same kernels as hf, {same_kernels_why(kernels)})" if hf_torch["same_as_hf"] else ""
         print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
     plain_seq = prompt[0].tolist() + runs["hf"]["tokens"]
     with phases("hf logits"):
@@ -600,15 +596,21 @@ def print_table(res: dict) -> None:
               f"{res['speedup_graphs_lookup_over_graphs']:.2f}x")
 
 
+def same_kernels_why(kernels: dict | None) -> str:
+    """Why ``hf-torch`` ran ``hf``'s kernels (``kernels``: name -> source, as ``kernel_sources``
+    reports them): fla-core's left bound (the family was not unwrapped), or no fla-core at all."""
+    fla = any(str(v).startswith("fla.") for v in (kernels or {}).values())
+    return ("fla-core's: this family's functions were not unwrapped" if fla
+            else "transformers' PyTorch functions; no fla-core kernels bound")
+
+
 def print_kernels(res: dict) -> None:
     """The kernels each baseline ran on (and whether ``hf-torch`` is ``hf``'s path)."""
     if res["hf_kernels"]:
         print("hf kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_kernels"].items()))
     if res["hf_torch_same_as_hf"]:
-        fla = any(str(v).startswith("fla.") for v in (res["hf_kernels"] or {}).values())
-        why = ("fla-core's: this family's functions were not unwrapped" if fla
-               else "transformers' PyTorch functions; no fla-core kernels bound")
-        print(f"hf-torch kernels: the same as hf ({why}), so hf-torch repeats hf's path")
+        print(f"hf-torch kernels: the same as hf ({same_kernels_why(res['hf_kernels'])}), so hf-torch repeats "
+              "hf's path")
     elif res["hf_torch_kernels"]:
         print("hf-torch kernels: " + ", ".join(f"{n}={s}" for n, s in res["hf_torch_kernels"].items()))
 

@@ -44,23 +44,20 @@ def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: i
                         num_warps: int = 1, max_registers: int | None = None, key_rows: int | None = None):
     """Triton's compiled ``gdn_closed_form_kernel`` for ``sm_90``: the plain form when
     ``max_pending`` is None, else the ring form with the pool's pending block
-    (``PP = pending_block(ring_positions(max_pending, window), window)``); ``key_rows``
-    overrides the state loop's chunk (``KC``, default :func:`key_chunk`'s)."""
+    (``PP = pending_block(ring_positions(max_pending, window), window)``), the block constants a
+    launch gets (``block_constants``); ``key_rows`` overrides the state loop's chunk (``KC``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ssm_spec.ops.gdn.closed_form import (MAX_REGISTERS, gdn_closed_form_kernel, history_chunk, key_chunk,
-                                              pending_block, ring_positions, window_block)
+    from ssm_spec.ops.gdn.closed_form import MAX_REGISTERS, block_constants, gdn_closed_form_kernel, ring_positions
     from ssm_spec.ops.gdn.inner import block_k
 
     ring = max_pending is not None
-    WP = window_block(window)
-    PP = pending_block(ring_positions(max_pending, window), window) if ring else 1
     BK = block_k(K)
-    consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, KC=key_rows or key_chunk(BK, WP, ring), WP=WP, PP=PP,
-                  KH=history_chunk(BK),
-                  USE_QK_L2NORM=True, USE_PTX=True, RING=ring, **{s: 1 for s in UNIT_STRIDES})
+    blocks = block_constants(BK, window, ring_positions(max_pending, window) if ring else 1, ring, key_rows)
+    consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, **blocks, USE_QK_L2NORM=True, USE_PTX=True, RING=ring,
+                  **{s: 1 for s in UNIT_STRIDES})
     names = gdn_closed_form_kernel.arg_names
     signature, attrs = {}, {}
     for i, name in enumerate(names):

@@ -2,9 +2,10 @@
 
 ``bench_ops.py`` times the ops; this runs a chosen one (``--kernel verify|commit|snapshot|
 folded|native_engine|closed_form_verify|closed_form_folded|lazy|lazy_fold``; ``lazy``: 12 tokens
-pending under ``max_pending = 16``, the history path; ``lazy_fold``: 15 pending, the folding step) at one batch, window and state dtype, with an optional tile,
-so that Nsight Compute can read its hardware counters (issue, FMA pipe, memory throughput,
-occupancy, stall reasons, registers, local-memory traffic)::
+pending under ``max_pending = 16``, the history path; ``lazy_fold``: 15 pending, the folding
+step) at one batch, window and state dtype, with an optional tile, so that Nsight Compute can
+read its hardware counters (issue, FMA pipe, memory throughput, occupancy, stall reasons,
+registers, local-memory traffic)::
 
     ncu --clock-control none -k regex:gdn_window_kernel -c 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats python scripts/profile_gdn.py --kernel verify

@@ -224,14 +224,13 @@ def _generate(self, *args, **kwargs):
     if assistant is not None and getattr(assistant, "_is_stateful", False):
         raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
                          "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
-    drafted = assistant is not None or bool(named.get("prompt_lookup_num_tokens")
-                                            or getattr(gen_config, "prompt_lookup_num_tokens", None))
-    if drafted and not _is_assistant_call(gen_config, named) and self.device.type == "meta":
+    k = draft_length(gen_config, named)
+    if k > 0 and not _is_assistant_call(gen_config, named) and self.device.type == "meta":
         raise ValueError("generate: prompt lookup and assistants need model.device to hold data, and it is 'meta' "
                          "here (a device map offloads the model's first weights, e.g. model.embed_tokens, to 'cpu' "
                          "or 'disk'): transformers' assisted loop moves every drafted token there. Keep "
                          "model.embed_tokens on an execution device (not offloaded), or generate without drafts")
-    R = max(1, draft_length(gen_config, named) + 1)
+    R = max(1, k + 1)
     key = self._recoverssm["cache_kwarg"]
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
     if cache is None and not _setting(self, gen_config, named, "use_cache", True):

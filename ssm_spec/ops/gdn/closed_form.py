@@ -486,6 +486,22 @@ def ring_positions(max_pending: int, max_window: int) -> int:
     return max(1, max(max_pending, max_window) + max_window)
 
 
+def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_rows: int | None = None) -> dict:
+    """The block constexprs of :func:`gdn_closed_form_kernel` for a launch (and for
+    ``scripts/offline_sass.py``, which compiles the same binary): ``WP`` (:func:`window_block`),
+    ``PP`` (:func:`pending_block` of the ring's ``positions``; 1 without a ring), ``KC``
+    (:func:`key_chunk`, or ``key_rows``) and ``KH`` (:func:`history_chunk`).
+
+    Raises:
+        ValueError: ``key_rows`` not a power of two in ``1..BK``.
+    """
+    WP = window_block(max_window)
+    KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
+    if KC < 1 or KC > BK or KC & (KC - 1):
+        raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
+    return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK))
+
+
 def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, record, max_window, scale,
                        use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None):
     """Launch :func:`gdn_closed_form_kernel` (no allocation).
@@ -514,19 +530,14 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         R = ru.shape[1]
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
     grid = (triton.cdiv(V, BV), B * HV)
-    WP = window_block(max_window)
-    KC = key_chunk(BK, WP, pending is not None) if key_rows is None else int(key_rows)
-    if KC < 1 or KC > BK or KC & (KC - 1):
-        raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
+    blocks = block_constants(BK, max_window, R, pending is not None, key_rows)
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
         float(scale), T, state.shape[0], R, int(L), max(0, R - int(max_window)),
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *state.stride(), slots.stride(0), query_start_loc.stride(0), *out.stride(),
         *rec_strides, pstart.stride(0), pcount.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, KC=KC, WP=WP,
-        PP=pending_block(R, max_window), KH=history_chunk(BK), USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_PTX=use_ptx(),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **blocks, USE_QK_L2NORM=bool(use_qk_l2norm), USE_PTX=use_ptx(),
         RING=pending is not None, num_warps=num_warps,
         **({"maxnreg": int(max_registers or MAX_REGISTERS)} if use_ptx() else {}),
     )
