@@ -39,3 +39,19 @@ def _hf_reference_kernels():
 
     with hf_reference_kernels():
         yield
+
+
+def pytest_collection_finish(session):
+    """Start the Triton interpreter's process (tests/test_triton_interpret.py) right after
+    collection when its test is selected, so it runs beside the rest of the suite."""
+    for item in session.items:
+        if item.name == "test_triton_kernels_under_interpreter":
+            item.module.start_interpreter_suite()
+            break
+
+
+def pytest_sessionfinish(session):
+    for item in getattr(session, "items", []):
+        if item.name == "test_triton_kernels_under_interpreter":
+            item.module.stop_interpreter_suite()  # only if the session ended before its test
+            break
