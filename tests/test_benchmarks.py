@@ -362,4 +362,5 @@ def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeyp
     nested = [(a, b) for a, b, _ in found if any(c < a and b < d for c, d, _ in found)]
     assert len(nested) == 1, out  # the block loop, inside the chunk loop
     block = next(ln for a, b, ln in found if (a, b) == nested[0])
-    assert re.search(r"FFMA 64\b", block), block
+    # a block of 4 records on KC = 8 rows of a 128-wide V tile, one warp: 8 * 4 * 128 / 32 FMAs a lane
+    assert re.search(r"FFMA 128\b", block), block
