@@ -41,11 +41,13 @@ INT32_POINTERS = ("slot_ptr", "qsl_ptr", "pstart_ptr", "pcount_ptr")
 
 
 def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: int = 128, BV: int = 128,
-                        num_warps: int = 1, max_registers: int | None = None, key_rows: int | None = None):
+                        num_warps: int = 1, max_registers: int | None = None, key_rows: int | None = None,
+                        stages: int | None = None):
     """Triton's compiled ``gdn_closed_form_kernel`` for ``sm_90``: the plain form when
     ``max_pending`` is None, else the ring form with the pool's pending block
     (``PP = pending_block(ring_positions(max_pending, window), window)``), the block constants a
-    launch gets (``block_constants``); ``key_rows`` overrides the state loop's chunk (``KC``)."""
+    launch gets (``block_constants``); ``key_rows`` overrides the state loop's chunk (``KC``) and
+    ``stages`` its pipelining depth (``STAGES``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -55,7 +57,8 @@ def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: i
 
     ring = max_pending is not None
     BK = block_k(K)
-    blocks = block_constants(BK, window, ring_positions(max_pending, window) if ring else 1, ring, key_rows)
+    blocks = block_constants(BK, window, ring_positions(max_pending, window) if ring else 1, ring, key_rows,
+                             stages)
     consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, **blocks, USE_QK_L2NORM=True, USE_PTX=True, RING=ring,
                   **{s: 1 for s in UNIT_STRIDES})
     names = gdn_closed_form_kernel.arg_names
@@ -131,6 +134,8 @@ def main(argv=None) -> int:
                    help="register cap (maxnreg; default the kernel's MAX_REGISTERS)")
     p.add_argument("--key-rows", type=int, default=None,
                    help="the state loop's key rows per chunk (KC; default the launch's)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="the state loop's num_stages (STAGES; default the launch's)")
     p.add_argument("--sass", type=Path, default=None, help="also write the SASS here")
     args = p.parse_args(argv)
     if args.window < 1 or args.max_pending < 0:
@@ -139,14 +144,14 @@ def main(argv=None) -> int:
 
     compiled, consts = compile_closed_form(args.window, None if args.plain else args.max_pending, BV=args.bv,
                                            num_warps=args.warps, max_registers=args.max_registers,
-                                           key_rows=args.key_rows)
+                                           key_rows=args.key_rows, stages=args.stages)
     sass = sass_of(compiled)
     if args.sass:
         args.sass.write_text(sass)
     s = summary(sass)
     form = "plain" if args.plain else f"ring L={args.max_pending}"
     print(f"gdn_closed_form_kernel sm_90, Triton {triton.__version__}: {form}, W={args.window} (WP={consts['WP']}, "
-          f"PP={consts['PP']}, KC={consts['KC']}), BV={args.bv}, {args.warps} warp(s), "
+          f"PP={consts['PP']}, KC={consts['KC']}, STAGES={consts['STAGES']}), BV={args.bv}, {args.warps} warp(s), "
           f"{compiled.metadata.maxnreg if hasattr(compiled.metadata, 'maxnreg') else '?'} registers at most")
     print(f"{s['instructions']} instructions, {s['local']} local-memory (spill) instructions; "
           + ", ".join(f"{k} {v}" for k, v in s["ops"].most_common(8)))

@@ -11,6 +11,7 @@ variant's outputs, records and folded states equal the first one's bit for bit.
     python scripts/tune_closed_form.py                               # H200: B=64, W=2,4,8, fp32
     python scripts/tune_closed_form.py --batch 1,4,256 --windows 4 --state-dtype bfloat16
     python scripts/tune_closed_form.py --windows 4 --tiles 128:1 --max-registers 128,96 --ring-key-rows 4,8
+    python scripts/tune_closed_form.py --windows 2,4 --tiles 128:1 --stages 1,2
     TRITON_INTERPRET=1 python scripts/tune_closed_form.py --device cpu   # smoke test (tiny)
 
 The winners go into ``TILES`` (kernel ``"closed_form"``) in ``ssm_spec/ops/gdn/inner.py`` by hand.
@@ -47,6 +48,8 @@ def parse(argv=None):
                    help="register caps to sweep per tile (maxnreg; default: the kernel's MAX_REGISTERS)")
     p.add_argument("--ring-key-rows", type=ints, default=None,
                    help="the ring forms' state-loop rows per chunk to sweep (KC; default: the launch's)")
+    p.add_argument("--stages", type=ints, default=None,
+                   help="the state loop's num_stages to sweep (STAGES; default the launch's)")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)
 
@@ -63,6 +66,7 @@ def main(argv=None):
     tiles = [(block_k(K), *map(int, t.split(":"))) for t in args.tiles.split(",")]
     caps = args.max_registers or [MAX_REGISTERS]
     chunks = args.ring_key_rows or [None]
+    depths = args.stages or [None]
     rows = []
     for B in args.batch:
         for W in args.windows:
@@ -103,19 +107,19 @@ def main(argv=None):
                     "lazy_fold": 2 * slot_b + act_b + rec_b + B * 15 * shape.record_bytes_per_token,
                     "folded": 2 * slot_b + act_b + rec_b + B * W * shape.record_bytes_per_token}
 
-            def calls(tile, cap, kc):
+            def calls(tile, cap, kc, st):
                 return {
                     "plain": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rec, W, scale,
-                                                          True, config=tile, max_registers=cap),
+                                                          True, config=tile, max_registers=cap, stages=st),
                     "lazy_hist": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
                                                               scale, True, pending=(zeros, p_hist, 16), config=tile,
-                                                              max_registers=cap, key_rows=kc),
+                                                              max_registers=cap, key_rows=kc, stages=st),
                     "lazy_fold": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
                                                               scale, True, pending=(zeros, p_lfold, 16), config=tile,
-                                                              max_registers=cap, key_rows=kc),
+                                                              max_registers=cap, key_rows=kc, stages=st),
                     "folded": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[1], W,
                                                            scale, True, pending=(zeros, p_fold, 1), config=tile,
-                                                           max_registers=cap, key_rows=kc),
+                                                           max_registers=cap, key_rows=kc, stages=st),
                 }
 
             # the bit check's inputs, kept before any timed call writes the pool or the rings
@@ -126,17 +130,18 @@ def main(argv=None):
             exact_us, _ = timer.time_call(lambda i: launch_gdn_window(q, k, v, g, beta, pool, src[i], qsl, None, out,
                                                                       rec, scale, True, config=exact_tile), n_sets)
             first = None
-            for tile, cap, kc in [(t, c, r) for t in tiles for c in caps for r in chunks]:
+            for tile, cap, kc, st in [(t, c, r, d) for t in tiles for c in caps for r in chunks for d in depths]:
                 try:
-                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap, kc).items()}
+                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap, kc, st).items()}
                 except Exception as exc:  # a tile the compiler rejects: report, go on
-                    print(f"B={B} W={W} tile {tile} cap {cap} ring KC {kc}: {type(exc).__name__}: {str(exc)[:200]}")
+                    print(f"B={B} W={W} tile {tile} cap {cap} ring KC {kc} stages {st}: "
+                          f"{type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 # bits: set 0, fresh copies, every output
                 p0, r16, r1 = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16])), \
                     RecordRing(*(x.clone() for x in rings_ref[1]))
                 p1, r16f = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16]))
-                opts = dict(config=tile, max_registers=cap)
+                opts = dict(config=tile, max_registers=cap, stages=st)
                 o_a, rec_a = torch.empty_like(out), tuple(torch.empty_like(x) for x in rec)
                 launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_a, rec_a, W, scale, True, **opts)
                 opts["key_rows"] = kc
@@ -155,13 +160,13 @@ def main(argv=None):
                     first = bits
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(first, bits))
-                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc,
+                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc, "stages": st,
                        "state_dtype": args.state_dtype,
                        "exact_verify_us": exact_us, **{f"{n}_us": t for n, t in times.items()},
                        **{f"{n}_frac_copy": need[n] / t / 1e3 / copy["gbps"] for n, t in times.items()},
                        "bits_equal_first_tile": same}
                 rows.append(row)
-                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} | "
+                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} stages={st or '-'} | "
                       f"exact {exact_us:7.1f} | "
                       + " ".join(f"{n} {times[n]:7.1f} ({100 * row[f'{n}_frac_copy']:3.0f}%)" for n in times)
                       + f" | bits {'ref' if same is None else same}", flush=True)
@@ -177,7 +182,7 @@ def main(argv=None):
                 best[key] = r
     for (B, W, n), r in sorted(best.items()):
         print(f"best B={B} W={W} {n}: BV={r['tile'][1]} warps={r['tile'][2]} regs={r['max_registers']} "
-              f"ringKC={r['ring_key_rows'] or '-'} "
+              f"ringKC={r['ring_key_rows'] or '-'} stages={r.get('stages') or '-'} "
               f"{r[f'{n}_us']:.1f} us "
               f"({100 * r[f'{n}_frac_copy']:.0f}% of copy bw)")
     bad = [r for r in rows if r["bits_equal_first_tile"] is False]

@@ -565,7 +565,8 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
     """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``):
     1, 4 and 16 give the same outputs, rings and states bit for bit on rows that fold (15 pending
     under L = 16), take the history path (3 and 12 pending) or have nothing pending, with a
-    bf16 state; a chunk that is not a power of two <= BK is a ``ValueError`` before any launch."""
+    bf16 state; a chunk that is not a power of two <= BK, or a pipelining depth below 1, is a
+    ``ValueError`` before any launch."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions
 
     HV, H, K, V, L, W = 2, 1, 16, 8, 16, 4
@@ -595,6 +596,11 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
             launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
                                True, pending=(start, count, L), key_rows=bad)
         assert same_bits(p, pool)
+    p = pool.clone()
+    with pytest.raises(ValueError, match="stages"):  # the loop's pipelining depth, checked the same way
+        launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
+                           True, pending=(start, count, L), stages=0)
+    assert same_bits(p, pool)
 
 
 def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():

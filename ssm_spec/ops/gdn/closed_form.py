@@ -219,7 +219,7 @@ def gdn_closed_form_kernel(
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, WP: tl.constexpr,
-    PP: tl.constexpr, KH: tl.constexpr,
+    PP: tl.constexpr, KH: tl.constexpr, STAGES: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr, RING: tl.constexpr,
 ):
     """One program per (V tile, row x value head); the state streams through in chunks of
@@ -319,7 +319,9 @@ def gdn_closed_form_kernel(
         AK = tl.zeros([WP, BV], dtype=tl.float32)
         AQ = tl.zeros([WP, BV], dtype=tl.float32)
         if (W > 0) | fold:
-            for c in range(0, BK // KC):  # a runtime loop: one chunk's registers live at a time
+            # a runtime loop: one chunk's registers live at a time; STAGES > 1 lets Triton's
+            # pipeliner copy the next chunks' loads to shared memory while this one computes
+            for c in tl.range(0, BK // KC, num_stages=STAGES):
                 rows = c * KC + o_c
                 m_r = rows < K
                 m_s = m_r[:, None] & m_v[None, :]
@@ -466,6 +468,16 @@ def history_chunk(BK: int) -> int:
 #: Key rows per chunk of the history products' loop (:func:`history_chunk`).
 HISTORY_CHUNK = 4
 
+#: ``num_stages`` of the state loop (``tl.range``): 1 compiles the loop as before (the same
+#: instructions as a plain ``range``, offline); 2 makes Triton copy the next chunk's state and
+#: keys to shared memory asynchronously (``LDGSTS``) while the current chunk computes, at the
+#: cost of more registers (offline, sm_90, ring L=1 W=4 at 8 rows: 27 -> 66 local-memory
+#: instructions). Measured on the H200 (B=64, fp32, 2026-12-02, docs/perf-notes.md "v7"): 2
+#: stages lost or tied in every form (W=4: history 75.9 vs 66.6 us, fold of 15 pending 141.4 vs
+#: 129.6, folded 90.1 vs 89.8, plain 45.1 vs 44.4). Bits do not depend on it (same arithmetic in
+#: the same order; the sweep checks them).
+STATE_STAGES = 1
+
 
 def window_block(max_window: int) -> int:
     """The kernel's window block ``WP = next_pow2(max(1, max_window))`` (a constexpr: one
@@ -490,32 +502,39 @@ def ring_positions(max_pending: int, max_window: int) -> int:
     return max(1, max(max_pending, max_window) + max_window)
 
 
-def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_rows: int | None = None) -> dict:
+def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_rows: int | None = None,
+                    stages: int | None = None) -> dict:
     """The block constexprs of :func:`gdn_closed_form_kernel` for a launch (and for
     ``scripts/offline_sass.py``, which compiles the same binary): ``WP`` (:func:`window_block`),
     ``PP`` (:func:`pending_block` of the ring's ``positions``; 1 without a ring), ``KC``
-    (:func:`key_chunk`, or ``key_rows``) and ``KH`` (:func:`history_chunk`).
+    (:func:`key_chunk`, or ``key_rows``), ``KH`` (:func:`history_chunk`) and ``STAGES`` (the
+    state loop's ``num_stages``: :data:`STATE_STAGES`, or ``stages``).
 
     Raises:
-        ValueError: ``key_rows`` not a power of two in ``1..BK``.
+        ValueError: ``key_rows`` not a power of two in ``1..BK``; ``stages`` below 1.
     """
     WP = window_block(max_window)
     KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
     if KC < 1 or KC > BK or KC & (KC - 1):
         raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
-    return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK))
+    STAGES = STATE_STAGES if stages is None else int(stages)
+    if STAGES < 1:
+        raise ValueError(f"launch_closed_form: stages: got {stages}; expected 1 or more")
+    return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK),
+                STAGES=STAGES)
 
 
 def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, record, max_window, scale,
-                       use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None):
+                       use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None, stages=None):
     """Launch :func:`gdn_closed_form_kernel` (no allocation).
 
     ``record`` is ``(u, k, third)``: token rows ``[T, ...]`` with ``third = decay`` when
     ``pending`` is None, else the ring ``[S, R, ...]`` with ``third = g``; ``pending`` is
     ``(pending_start [B], pending_count [B], max_pending)``. ``config`` overrides the tile
     ``(BK, BV, num_warps)``, ``max_registers`` the register cap (default :data:`MAX_REGISTERS`;
-    compiled launches only) and ``key_rows`` the state loop's rows per chunk (a power of two
-    ``<= BK``; default :func:`key_chunk`); bits depend on none of them.
+    compiled launches only), ``key_rows`` the state loop's rows per chunk (a power of two
+    ``<= BK``; default :func:`key_chunk`) and ``stages`` its software-pipelining depth (default
+    :data:`STATE_STAGES`; the interpreter ignores it); bits depend on none of them.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -534,7 +553,7 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         R = ru.shape[1]
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
     grid = (triton.cdiv(V, BV), B * HV)
-    blocks = block_constants(BK, max_window, R, pending is not None, key_rows)
+    blocks = block_constants(BK, max_window, R, pending is not None, key_rows, stages)
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
         float(scale), T, state.shape[0], R, int(L), max(0, R - int(max_window)),
