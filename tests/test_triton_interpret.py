@@ -6,6 +6,7 @@ calls :func:`start_interpreter_suite` when this test is selected), so it runs be
 the suite on its own core instead of after it: it is single-threaded Python for most of its
 ~7 minutes. The test waits for it and reports its output on failure."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,13 +23,7 @@ _RUN: dict = {}
 
 def start_interpreter_suite() -> None:
     """Start the interpreter process once (a no-op if it runs already or Triton is missing)."""
-    if _RUN or os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    try:
-        import importlib.util
-        if importlib.util.find_spec("triton") is None:
-            return
-    except (ImportError, ValueError):
+    if _RUN or os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None:
         return
     # one thread for its torch and numpy: the main session keeps the machine's other core(s)
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
