@@ -33,6 +33,18 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recorded_path(path: Path) -> str:
+    """A checkpoint's path as the results record it: relative to the repository when it lies
+    inside (so committed JSON carries no machine's absolute paths), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _checkpoint(path: Path, option: str, given: str) -> Path:
     """``path`` when it holds a saved model (``config.json`` and safetensors weights); else a
     ``ValueError`` naming ``option`` and what was ``given``."""
@@ -196,7 +208,7 @@ def run_demo(ns) -> dict:
                                  position_rates=list(r.stats.position_rates))
                 rows[i]["runs"][key] = entry
     summary = summarize_runs(rows)
-    return {"model": str(target_dir), "draft": str(draft_dir), "dtype": ns.dtype, "device": str(device),
+    return {"model": recorded_path(target_dir), "draft": recorded_path(draft_dir), "dtype": ns.dtype, "device": str(device),
             "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens, "repeats": ns.repeats,
             "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary}
 

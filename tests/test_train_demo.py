@@ -203,3 +203,12 @@ def test_demo_summary_and_table_take_a_run_that_only_ends_early(monkeypatch, cap
                 "num_draft_tokens": 2, "prompts": rows, "summary": summary})
     out = capsys.readouterr().out
     assert "ours+lookup" in out and "0/2" in out and "prompt 1" not in out
+
+
+def test_results_record_a_checkpoint_inside_the_repository_by_its_relative_path(tmp_path, monkeypatch):
+    """Committed demo JSON must not carry the absolute paths of the machine that ran it."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from hf_demo import recorded_path
+
+    assert recorded_path(ROOT / "ssm_spec" / "assets" / "demo" / "target") == "ssm_spec/assets/demo/target"
+    assert recorded_path(tmp_path / "target") == str(tmp_path / "target")  # elsewhere: as given
