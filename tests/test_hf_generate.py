@@ -64,6 +64,43 @@ def test_prompt_lookup_and_assistant_equal_plain_greedy(device, kind, seed):
     assert 0 < cache.stats.accepted < cache.stats.drafted
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_follow_up_turn_with_drafts_on_a_reused_cache_equals_a_fresh_one(kind):
+    """A second ``generate`` with prompt lookup on the first one's output plus new text, with
+    the same cache (transformers' assisted loop feeds its first forward the whole prompt, not
+    only the tokens the cache lacks): every score equals the same turn's on a fresh cache bit
+    for bit, and the acceptance stats add exactly what the fresh cache counts (the new prompt
+    is not counted as accepted drafts). A plain follow-up turn (no drafts) reads only the new
+    tokens and equals the unconverted model's greedy scores."""
+    import copy
+
+    ref, model = _pair(kind, 0, "cpu")
+    cache = RecoverSSMCache(model)
+    first = _greedy(model, _ids(), 30, prompt_lookup_num_tokens=4, **_with(model, cache))
+    before = copy.deepcopy(cache.stats)
+    follow = torch.cat([first, _ids(" and then the dog")], 1)
+    scores = dict(return_dict_in_generate=True, output_scores=True)
+    out = _greedy(model, follow, 30, prompt_lookup_num_tokens=4, **scores, **_with(model, cache))
+    fresh = RecoverSSMCache(model)
+    want = _greedy(model, follow, 30, prompt_lookup_num_tokens=4, **scores, **_with(model, fresh))
+    assert torch.equal(out.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, want.scores))
+    assert cache.get_seq_length() == fresh.get_seq_length()
+    got = cache.stats
+    assert (got.rounds - before.rounds, got.drafted - before.drafted, got.accepted - before.accepted) == \
+        (fresh.stats.rounds, fresh.stats.drafted, fresh.stats.accepted), (before, got, fresh.stats)
+    assert len(got.offered) == max(len(before.offered), len(fresh.stats.offered)) <= 4
+    plain_cache = RecoverSSMCache(model)
+    plain_first = _greedy(model, _ids(), 30, **_with(model, plain_cache))
+    plain_follow = torch.cat([plain_first, _ids(" and then the dog")], 1)
+    seen = plain_cache.get_seq_length()
+    out = _greedy(model, plain_follow, 12, **scores, **_with(model, plain_cache))
+    want = _greedy(ref, plain_follow, 12, **scores)
+    assert torch.equal(out.sequences, want.sequences)
+    assert plain_cache.get_seq_length() == seen + (plain_follow.shape[1] - seen) + 11  # only the new tokens read
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(out.scores, want.scores)) < 1e-5
+
+
 def _first_diff(a, b):
     n = min(a.shape[1], b.shape[1])
     diff = (a[0, :n] != b[0, :n]).nonzero()

@@ -132,8 +132,10 @@ class RecoverSSMCache(DynamicCache):
         graphed: the :class:`~ssm_spec.hf.graphed.GraphedForward` of a cache with
             ``max_cache_len`` (else ``None``).
         stats: :class:`AcceptanceStats` of the speculative rounds seen by ``crop``.
-        prompt_len: tokens of the first forward that are prompt (set by the converted
-            ``generate``; used only to count the first round's drafts).
+        prompt_len: tokens of the current ``generate`` call's first forward that are prompt:
+            the prompt tokens the cache does not hold yet (set by the converted ``generate`` at
+            every call, :meth:`begin_generate`; used only to count that round's drafts, so a
+            follow-up turn on a reused cache does not count its new prompt as drafts).
 
     ``crop(m)`` with ``m <= 0`` removes the last ``-m`` tokens of every layer (transformers
     5.15+; a 0-d tensor is accepted); a positive ``m`` is a length to crop to.
@@ -186,9 +188,16 @@ class RecoverSSMCache(DynamicCache):
         self.stats = AcceptanceStats()
         self.prompt_len: int | None = None
         self._last_layer = None  # the converted layer index seen last in the current forward
-        self._forwards = 0
+        self._forwards = 0  # forwards since the current generate call began (or since creation)
         self._last_forward_len = 0
         self._since_crop = 0
+
+    def begin_generate(self, prompt_tokens: int | None) -> None:
+        """A ``generate`` call begins: its first forward holds ``prompt_tokens`` prompt tokens the
+        cache does not hold yet (``None`` or negative: unknown, and that round's drafts are not
+        counted) before its drafts. Called by the converted model's ``generate``."""
+        self.prompt_len = None if prompt_tokens is None or prompt_tokens < 0 else int(prompt_tokens)
+        self._forwards = 0
 
     # ------------------------------------------------------------------ forwards
     def linear_forward(self, adapter, hidden: torch.Tensor) -> torch.Tensor:
@@ -260,14 +269,16 @@ class RecoverSSMCache(DynamicCache):
         self._last_layer = None
         super().reorder_cache(beam_idx)
 
-    def reset(self):
+    def reset(self, keep_stats: bool = False):
         """Forget every token. A cache with ``max_cache_len`` keeps its buffers (and so its
-        captured graphs) for the next sequence of the same batch size."""
+        captured graphs) for the next sequence of the same batch size; ``keep_stats`` keeps the
+        acceptance counts (a follow-up assisted turn, which re-reads its whole prompt)."""
         if self.graphed is not None and self.rollback is not None:
             self.rollback.reset()
         else:
             self.rollback = None
-        self.stats = AcceptanceStats()
+        if not keep_stats:
+            self.stats = AcceptanceStats()
         self.prompt_len = None
         self._last_layer = None
         self._forwards = self._since_crop = 0
