@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,7 +52,13 @@ def parse(argv=None):
     p.add_argument("--stages", type=ints, default=None,
                    help="the state loop's num_stages to sweep (STAGES; default the launch's)")
     p.add_argument("--out", default=None, help="JSON file for the results")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if any(w < 1 or w > 16 for w in args.windows):
+        p.error(f"--windows: got {args.windows}; expected window lengths in 1..16")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 before the "
+                "command (TRITON_INTERPRET=1 python scripts/tune_closed_form.py --device cpu)")
+    return args
 
 
 def main(argv=None):
@@ -185,6 +192,9 @@ def main(argv=None):
               f"ringKC={r['ring_key_rows'] or '-'} stages={r.get('stages') or '-'} "
               f"{r[f'{n}_us']:.1f} us "
               f"({100 * r[f'{n}_frac_copy']:.0f}% of copy bw)")
+    if not rows:
+        print("FAIL: no variant ran (every tile, cap, chunk or depth was refused: see above)")
+        return 1
     bad = [r for r in rows if r["bits_equal_first_tile"] is False]
     if args.out:
         Path(args.out).write_text(json.dumps({"copy_gbps": copy["gbps"], "rows": rows}, indent=1))

@@ -565,8 +565,8 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
     """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``):
     1, 4 and 16 give the same outputs, rings and states bit for bit on rows that fold (15 pending
     under L = 16), take the history path (3 and 12 pending) or have nothing pending, with a
-    bf16 state; a chunk that is not a power of two <= BK, or a pipelining depth below 1, is a
-    ``ValueError`` before any launch."""
+    bf16 state; a chunk that is not a power of two <= BK, a pipelining depth below 1, a
+    non-int or a bad register cap is a ``ValueError`` before any launch, with an empty batch too."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions
 
     HV, H, K, V, L, W = 2, 1, 16, 8, 16, 4
@@ -596,11 +596,15 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
             launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
                                True, pending=(start, count, L), key_rows=bad)
         assert same_bits(p, pool)
-    p = pool.clone()
-    with pytest.raises(ValueError, match="stages"):  # the loop's pipelining depth, checked the same way
-        launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
-                           True, pending=(start, count, L), stages=0)
-    assert same_bits(p, pool)
+    for bad in (dict(stages=0), dict(stages=1.7), dict(key_rows=2.5), dict(key_rows=True), dict(max_registers=-5)):
+        p = pool.clone()
+        with pytest.raises(ValueError, match=next(iter(bad))):  # pipelining depth, non-ints, register cap
+            launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
+                               True, pending=(start, count, L), **bad)
+        assert same_bits(p, pool)
+    with pytest.raises(ValueError, match="stages"):  # an empty batch launches nothing but is checked too
+        launch_closed_form(*inp.args(), pool, src[:0], qsl[:1], out, ring0, W, K**-0.5, True,
+                           pending=(start[:0], count[:0], L), stages=0)
 
 
 def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():
@@ -670,3 +674,24 @@ def test_closed_form_fold_past_four_pending_is_the_record_order_fma_chain():
     closed_form_cpu(*inp.args(), p, src, qsl, out, r, max_window, K**-0.5, True, pending=(start, count, L))
     assert rel_err(runs[0][0], p) < 1e-5 and rel_err(runs[0][1], out) < 1e-5
     assert torch.signbit(runs[0][0][:, :, 3, 5]).all()
+
+
+def test_tune_closed_form_smoke_run_sweeps_depths_and_checks_bits(tmp_path):
+    """``scripts/tune_closed_form.py --device cpu`` (its documented smoke run) with a stages
+    sweep: every form timed for each depth, bits equal to the first variant's, JSON written; a
+    sweep whose every variant is refused fails."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "tune_closed_form.py"
+    spec = importlib.util.spec_from_file_location("tune_closed_form", path)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    out = tmp_path / "tune.json"
+    assert tune.main(["--device", "cpu", "--windows", "2", "--tiles", "16:1", "--stages", "1,2",
+                      "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["stages"] for r in rows] == [1, 2] and rows[1]["bits_equal_first_tile"] is True
+    assert all(r[f"{n}_us"] > 0 for r in rows for n in ("plain", "lazy_hist", "lazy_fold", "folded"))
+    assert tune.main(["--device", "cpu", "--windows", "2", "--tiles", "16:1", "--stages", "0"]) == 1

@@ -511,13 +511,17 @@ def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_ro
     state loop's ``num_stages``: :data:`STATE_STAGES`, or ``stages``).
 
     Raises:
-        ValueError: ``key_rows`` not a power of two in ``1..BK``; ``stages`` below 1.
+        ValueError: ``key_rows`` not a power of two in ``1..BK``; ``stages`` below 1; either not
+            an ``int``.
     """
+    for name, value in (("key_rows", key_rows), ("stages", stages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"launch_closed_form: {name}: got {value!r}; expected an int")
     WP = window_block(max_window)
-    KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
+    KC = key_chunk(BK, WP, ring) if key_rows is None else key_rows
     if KC < 1 or KC > BK or KC & (KC - 1):
         raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
-    STAGES = STATE_STAGES if stages is None else int(stages)
+    STAGES = STATE_STAGES if stages is None else stages
     if STAGES < 1:
         raise ValueError(f"launch_closed_form: stages: got {stages}; expected 1 or more")
     return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK),
@@ -532,17 +536,22 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
     ``pending`` is None, else the ring ``[S, R, ...]`` with ``third = g``; ``pending`` is
     ``(pending_start [B], pending_count [B], max_pending)``. ``config`` overrides the tile
     ``(BK, BV, num_warps)``, ``max_registers`` the register cap (default :data:`MAX_REGISTERS`;
-    compiled launches only), ``key_rows`` the state loop's rows per chunk (a power of two
+    compiled launches only; an int in 1..255), ``key_rows`` the state loop's rows per chunk (a power of two
     ``<= BK``; default :func:`key_chunk`) and ``stages`` its software-pipelining depth (default
     :data:`STATE_STAGES`; the interpreter ignores it); bits depend on none of them.
+
+    Raises:
+        ValueError: a bad ``config``, ``max_registers``, ``key_rows`` or ``stages``, before
+            anything is launched (with an empty batch too).
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = slots.shape[0]
     BK, BV, num_warps = (check_tile(config, K) if config is not None
                          else gdn_tile_config(K, V, "closed_form", state.dtype, B))
-    if B == 0:
-        return
+    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
+                                      or not 0 < max_registers <= 255):
+        raise ValueError(f"launch_closed_form: max_registers: got {max_registers!r}; expected an int in 1..255")
     ru, rk, rg = record
     if pending is None:
         pstart = pcount = slots
@@ -552,8 +561,10 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         pstart, pcount, L = pending
         R = ru.shape[1]
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
+    blocks = block_constants(BK, max_window, R, pending is not None, key_rows, stages)  # checks them
+    if B == 0:
+        return
     grid = (triton.cdiv(V, BV), B * HV)
-    blocks = block_constants(BK, max_window, R, pending is not None, key_rows, stages)
     gdn_closed_form_kernel[grid](
         q, k, v, g, beta, state, slots, query_start_loc, out, ru, rk, rg, pstart, pcount,
         float(scale), T, state.shape[0], R, int(L), max(0, R - int(max_window)),
