@@ -4,7 +4,7 @@ TRITON_INTERPRET=1 set before anything imports Triton.
 The process is started as soon as collection has finished (``conftest.pytest_collection_finish``
 calls :func:`start_interpreter_suite` when this test is selected), so it runs beside the rest of
 the suite on its own core instead of after it: it is single-threaded Python for most of its
-~7 minutes. The test waits for it and reports its output on failure."""
+4-8 minutes on a 2-core machine. The test waits for it and reports its output on failure."""
 
 import importlib.util
 import os
