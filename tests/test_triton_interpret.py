@@ -21,6 +21,18 @@ TIMEOUT_S = 1200
 _RUN: dict = {}
 
 
+def _die_with_parent() -> None:
+    """Linux: the interpreter process gets SIGTERM when the session's process dies, however it
+    dies (a SIGTERM to pytest runs no session-finish hook)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start_interpreter_suite() -> None:
     """Start the interpreter process once (a no-op if it runs already or Triton is missing)."""
     if _RUN or os.environ.get("TRITON_INTERPRET") == "1" or importlib.util.find_spec("triton") is None:
@@ -31,7 +43,8 @@ def start_interpreter_suite() -> None:
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "interpret")],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     _RUN.update(proc=proc, log=log, started=time.monotonic())
 
 

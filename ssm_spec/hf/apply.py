@@ -258,12 +258,14 @@ def _generate(self, *args, **kwargs):
     else:
         raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
                          "(or none, and generate creates it)")
-    if k > 0 and not _is_assistant_call(gen_config, named) and cache.get_seq_length() > 0:
-        # a follow-up turn with drafts on a reused cache: transformers' assisted loop feeds its first
-        # forward the whole prompt whatever the cache holds (5.2x; the plain loop feeds only the
-        # uncached tokens), so start the sequence again and let that forward re-read it
-        cache.reset(keep_stats=True)
     prompt = _prompt(named)  # the first round's drafts are its tokens past the prompt's uncached part
+    if k > 0 and not _is_assistant_call(gen_config, named) and cache.get_seq_length() > 0 \
+            and isinstance(prompt, torch.Tensor) and prompt.shape[0] == 1:
+        # a follow-up turn with drafts on a reused cache: transformers' assisted loop feeds its first
+        # forward the whole prompt whatever the cache holds (5.17-5.2x; the plain loop feeds only the
+        # uncached tokens), so start the sequence again and let that forward re-read it (batch 1:
+        # transformers refuses assisted generation on larger batches, and the cache stays as it is)
+        cache.reset(keep_stats=True)
     cache.begin_generate(prompt.shape[-1] - cache.get_seq_length() if isinstance(prompt, torch.Tensor) else None)
     return original(self, *args, **kwargs)
 

@@ -283,3 +283,10 @@ class RecoverSSMCache(DynamicCache):
         self._last_layer = None
         self._forwards = self._since_crop = 0
         super().reset()
+        for layer in self.layers:  # attention layers: drop the tokens, not only zero them
+            if not isinstance(layer, (RecoverLinearAttentionLayer, StaticAttentionLayer)) \
+                    and getattr(layer, "is_initialized", False):
+                # transformers 5.17's DynamicLayer.reset zeroes its keys and values but keeps their
+                # length (5.18 drops them), so the next forward would attend to zeroed tokens
+                layer.keys = layer.values = None
+                layer.is_initialized = False

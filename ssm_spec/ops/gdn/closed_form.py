@@ -28,6 +28,7 @@ layout), so bits do not depend on the tile or the batch.
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -450,11 +451,11 @@ def key_chunk(BK: int, WP: int, ring: bool) -> int:
     docs/perf-notes.md): plain W=4 8 rows 44.0 us (4 rows 47.4), W=2 4 rows 40.5 (16 rows 49.8),
     W=8 4 rows 76.2 (2 rows 116). The ring forms (fold, history), kernel v6 (history products in
     their own loop), H200 2026-12-02, ``scripts/tune_closed_form.py --ring-key-rows 4,8``: 8 rows
-    for W <= 4 (fold of 15 pending under max_pending 16: W=4 129.6 us, 4 rows 172.7; W=2 111.0 vs
+    for W = 2..4 (fold of 15 pending under max_pending 16: W=4 129.6 us, 4 rows 172.7; W=2 111.0 vs
     148.2; folded W=4 90.3 vs 96.0; history within 1.5 us either way), 4 rows for W=8 (8 rows
     spill: fold 459.7 vs 227.1). Bits do not depend on it (one FMA chain over the key axis
     whatever the chunk)."""
-    kc = 8 if WP == 4 or (ring and WP < 4) else (4 if WP <= 8 else 2)
+    kc = 8 if WP == 4 or (ring and WP == 2) else (4 if WP <= 8 else 2)
     return max(1, min(kc, BK))
 
 
@@ -515,13 +516,13 @@ def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_ro
             an ``int``.
     """
     for name, value in (("key_rows", key_rows), ("stages", stages)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise ValueError(f"launch_closed_form: {name}: got {value!r}; expected an int")
     WP = window_block(max_window)
-    KC = key_chunk(BK, WP, ring) if key_rows is None else key_rows
+    KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
     if KC < 1 or KC > BK or KC & (KC - 1):
         raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
-    STAGES = STATE_STAGES if stages is None else stages
+    STAGES = STATE_STAGES if stages is None else int(stages)
     if STAGES < 1:
         raise ValueError(f"launch_closed_form: stages: got {stages}; expected 1 or more")
     return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK),
@@ -549,8 +550,8 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
     B = slots.shape[0]
     BK, BV, num_warps = (check_tile(config, K) if config is not None
                          else gdn_tile_config(K, V, "closed_form", state.dtype, B))
-    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, int)
-                                      or not 0 < max_registers <= 255):
+    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, numbers.Integral)
+                                      or not 0 < int(max_registers) <= 255):
         raise ValueError(f"launch_closed_form: max_registers: got {max_registers!r}; expected an int in 1..255")
     ru, rk, rg = record
     if pending is None:
