@@ -225,7 +225,8 @@ def _generate(self, *args, **kwargs):
         raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
                          "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
     k = draft_length(gen_config, named)
-    if k > 0 and not _is_assistant_call(gen_config, named) and self.device.type == "meta":
+    drafting = k > 0 and not _is_assistant_call(gen_config, named)  # this call verifies drafts
+    if drafting and self.device.type == "meta":
         raise ValueError("generate: prompt lookup and assistants need model.device to hold data, and it is 'meta' "
                          "here (a device map offloads the model's first weights, e.g. model.embed_tokens, to 'cpu' "
                          "or 'disk'): transformers' assisted loop moves every drafted token there. Keep "
@@ -259,14 +260,14 @@ def _generate(self, *args, **kwargs):
         raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
                          "(or none, and generate creates it)")
     prompt = _prompt(named)  # the first round's drafts are its tokens past the prompt's uncached part
-    if k > 0 and not _is_assistant_call(gen_config, named) and cache.get_seq_length() > 0 \
-            and isinstance(prompt, torch.Tensor) and prompt.shape[0] == 1:
+    prompt = prompt if isinstance(prompt, torch.Tensor) else None
+    if drafting and prompt is not None and prompt.shape[0] == 1 and cache.get_seq_length() > 0:
         # a follow-up turn with drafts on a reused cache: transformers' assisted loop feeds its first
         # forward the whole prompt whatever the cache holds (5.17-5.2x; the plain loop feeds only the
         # uncached tokens), so start the sequence again and let that forward re-read it (batch 1:
         # transformers refuses assisted generation on larger batches, and the cache stays as it is)
         cache.reset(keep_stats=True)
-    cache.begin_generate(prompt.shape[-1] - cache.get_seq_length() if isinstance(prompt, torch.Tensor) else None)
+    cache.begin_generate(None if prompt is None else prompt.shape[-1] - cache.get_seq_length())
     return original(self, *args, **kwargs)
 
 

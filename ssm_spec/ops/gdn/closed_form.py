@@ -503,6 +503,16 @@ def ring_positions(max_pending: int, max_window: int) -> int:
     return max(1, max(max_pending, max_window) + max_window)
 
 
+def _check_int(name: str, value, upper: int | None = None) -> None:
+    """``value`` is None or an int (not a bool) in ``1..upper``; else a ``ValueError`` naming it."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"launch_closed_form: {name}: got {value!r}; expected an int")
+    if upper is not None and not 0 < int(value) <= upper:
+        raise ValueError(f"launch_closed_form: {name}: got {value!r}; expected an int in 1..{upper}")
+
+
 def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_rows: int | None = None,
                     stages: int | None = None) -> dict:
     """The block constexprs of :func:`gdn_closed_form_kernel` for a launch (and for
@@ -515,9 +525,8 @@ def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_ro
         ValueError: ``key_rows`` not a power of two in ``1..BK``; ``stages`` below 1; either not
             an ``int``.
     """
-    for name, value in (("key_rows", key_rows), ("stages", stages)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise ValueError(f"launch_closed_form: {name}: got {value!r}; expected an int")
+    _check_int("key_rows", key_rows)
+    _check_int("stages", stages)
     WP = window_block(max_window)
     KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
     if KC < 1 or KC > BK or KC & (KC - 1):
@@ -550,9 +559,7 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
     B = slots.shape[0]
     BK, BV, num_warps = (check_tile(config, K) if config is not None
                          else gdn_tile_config(K, V, "closed_form", state.dtype, B))
-    if max_registers is not None and (isinstance(max_registers, bool) or not isinstance(max_registers, numbers.Integral)
-                                      or not 0 < int(max_registers) <= 255):
-        raise ValueError(f"launch_closed_form: max_registers: got {max_registers!r}; expected an int in 1..255")
+    _check_int("max_registers", max_registers, 255)
     ru, rk, rg = record
     if pending is None:
         pstart = pcount = slots
