@@ -42,12 +42,13 @@ INT32_POINTERS = ("slot_ptr", "qsl_ptr", "pstart_ptr", "pcount_ptr")
 
 def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: int = 128, BV: int = 128,
                         num_warps: int = 1, max_registers: int | None = None, key_rows: int | None = None,
-                        stages: int | None = None):
+                        stages: int | None = None, prefetch: bool | None = None):
     """Triton's compiled ``gdn_closed_form_kernel`` for ``sm_90``: the plain form when
     ``max_pending`` is None, else the ring form with the pool's pending block
     (``PP = pending_block(ring_positions(max_pending, window), window)``), the block constants a
     launch gets (``block_constants``); ``key_rows`` overrides the state loop's chunk (``KC``) and
-    ``stages`` its pipelining depth (``STAGES``)."""
+    ``stages`` its pipelining depth (``STAGES``), ``prefetch`` whether it loads a chunk ahead
+    (``PREFETCH``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -58,7 +59,7 @@ def compile_closed_form(window: int, max_pending: int | None, K: int = 128, V: i
     ring = max_pending is not None
     BK = block_k(K)
     blocks = block_constants(BK, window, ring_positions(max_pending, window) if ring else 1, ring, key_rows,
-                             stages)
+                             stages, prefetch)
     consts = dict(H=16, HV=32, K=K, V=V, BK=BK, BV=BV, **blocks, USE_QK_L2NORM=True, USE_PTX=True, RING=ring,
                   **{s: 1 for s in UNIT_STRIDES})
     names = gdn_closed_form_kernel.arg_names
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
                    help="the state loop's key rows per chunk (KC; default the launch's)")
     p.add_argument("--stages", type=int, default=None,
                    help="the state loop's num_stages (STAGES; default the launch's)")
+    p.add_argument("--prefetch", type=int, choices=(0, 1), default=None,
+                   help="1: the state loop loads each chunk a chunk ahead (PREFETCH; default the launch's)")
     p.add_argument("--sass", type=Path, default=None, help="also write the SASS here")
     args = p.parse_args(argv)
     if args.window < 1 or args.max_pending < 0:
@@ -144,14 +147,15 @@ def main(argv=None) -> int:
 
     compiled, consts = compile_closed_form(args.window, None if args.plain else args.max_pending, BV=args.bv,
                                            num_warps=args.warps, max_registers=args.max_registers,
-                                           key_rows=args.key_rows, stages=args.stages)
+                                           key_rows=args.key_rows, stages=args.stages,
+                                           prefetch=None if args.prefetch is None else bool(args.prefetch))
     sass = sass_of(compiled)
     if args.sass:
         args.sass.write_text(sass)
     s = summary(sass)
     form = "plain" if args.plain else f"ring L={args.max_pending}"
     print(f"gdn_closed_form_kernel sm_90, Triton {triton.__version__}: {form}, W={args.window} (WP={consts['WP']}, "
-          f"PP={consts['PP']}, KC={consts['KC']}, STAGES={consts['STAGES']}), BV={args.bv}, {args.warps} warp(s), "
+          f"PP={consts['PP']}, KC={consts['KC']}, STAGES={consts['STAGES']}, PREFETCH={int(consts['PREFETCH'])}), BV={args.bv}, {args.warps} warp(s), "
           f"{compiled.metadata.maxnreg if hasattr(compiled.metadata, 'maxnreg') else '?'} registers at most")
     print(f"{s['instructions']} instructions, {s['local']} local-memory (spill) instructions; "
           + ", ".join(f"{k} {v}" for k, v in s["ops"].most_common(8)))

@@ -12,6 +12,7 @@ variant's outputs, records and folded states equal the first one's bit for bit.
     python scripts/tune_closed_form.py --batch 1,4,256 --windows 4 --state-dtype bfloat16
     python scripts/tune_closed_form.py --windows 4 --tiles 128:1 --max-registers 128,96 --ring-key-rows 4,8
     python scripts/tune_closed_form.py --windows 2,4 --tiles 128:1 --stages 1,2
+    python scripts/tune_closed_form.py --windows 2,4,8 --tiles 128:1 --prefetch 0,1 --plain-key-rows 2,4,8
     TRITON_INTERPRET=1 python scripts/tune_closed_form.py --device cpu   # smoke test (tiny)
 
 The winners go into ``TILES`` (kernel ``"closed_form"``) in ``ssm_spec/ops/gdn/inner.py`` by hand.
@@ -49,8 +50,12 @@ def parse(argv=None):
                    help="register caps to sweep per tile (maxnreg; default: the kernel's MAX_REGISTERS)")
     p.add_argument("--ring-key-rows", type=ints, default=None,
                    help="the ring forms' state-loop rows per chunk to sweep (KC; default: the launch's)")
+    p.add_argument("--plain-key-rows", type=ints, default=None,
+                   help="the plain form's state-loop rows per chunk to sweep (KC; default the launch's)")
     p.add_argument("--stages", type=ints, default=None,
                    help="the state loop's num_stages to sweep (STAGES; default the launch's)")
+    p.add_argument("--prefetch", type=ints, default=None,
+                   help="0/1: the state loop loads each chunk a chunk ahead, to sweep (PREFETCH; default the launch's)")
     p.add_argument("--out", default=None, help="JSON file for the results")
     args = p.parse_args(argv)
     if any(w < 1 or w > 16 for w in args.windows):
@@ -73,7 +78,9 @@ def main(argv=None):
     tiles = [(block_k(K), *map(int, t.split(":"))) for t in args.tiles.split(",")]
     caps = args.max_registers or [MAX_REGISTERS]
     chunks = args.ring_key_rows or [None]
+    plain_chunks = args.plain_key_rows or [None]
     depths = args.stages or [None]
+    prefetches = [bool(x) for x in args.prefetch] if args.prefetch else [None]
     rows = []
     for B in args.batch:
         for W in args.windows:
@@ -114,19 +121,20 @@ def main(argv=None):
                     "lazy_fold": 2 * slot_b + act_b + rec_b + B * 15 * shape.record_bytes_per_token,
                     "folded": 2 * slot_b + act_b + rec_b + B * W * shape.record_bytes_per_token}
 
-            def calls(tile, cap, kc, st):
+            def calls(tile, cap, kc, pkc, st, pf):
                 return {
                     "plain": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rec, W, scale,
-                                                          True, config=tile, max_registers=cap, stages=st),
+                                                          True, config=tile, max_registers=cap, key_rows=pkc, stages=st,
+                                                          prefetch=pf),
                     "lazy_hist": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
                                                               scale, True, pending=(zeros, p_hist, 16), config=tile,
-                                                              max_registers=cap, key_rows=kc, stages=st),
+                                                              max_registers=cap, key_rows=kc, stages=st, prefetch=pf),
                     "lazy_fold": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
                                                               scale, True, pending=(zeros, p_lfold, 16), config=tile,
-                                                              max_registers=cap, key_rows=kc, stages=st),
+                                                              max_registers=cap, key_rows=kc, stages=st, prefetch=pf),
                     "folded": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[1], W,
                                                            scale, True, pending=(zeros, p_fold, 1), config=tile,
-                                                           max_registers=cap, key_rows=kc, stages=st),
+                                                           max_registers=cap, key_rows=kc, stages=st, prefetch=pf),
                 }
 
             # the bit check's inputs, kept before any timed call writes the pool or the rings
@@ -137,20 +145,21 @@ def main(argv=None):
             exact_us, _ = timer.time_call(lambda i: launch_gdn_window(q, k, v, g, beta, pool, src[i], qsl, None, out,
                                                                       rec, scale, True, config=exact_tile), n_sets)
             first = None
-            for tile, cap, kc, st in [(t, c, r, d) for t in tiles for c in caps for r in chunks for d in depths]:
+            for tile, cap, kc, pkc, st, pf in [(t, c, r, pr, d, f) for t in tiles for c in caps for r in chunks
+                                               for pr in plain_chunks for d in depths for f in prefetches]:
                 try:
-                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap, kc, st).items()}
+                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap, kc, pkc, st, pf).items()}
                 except Exception as exc:  # a tile the compiler rejects: report, go on
-                    print(f"B={B} W={W} tile {tile} cap {cap} ring KC {kc} stages {st}: "
+                    print(f"B={B} W={W} tile {tile} cap {cap} ring KC {kc} plain KC {pkc} stages {st} prefetch {pf}: "
                           f"{type(exc).__name__}: {str(exc)[:200]}")
                     continue
                 # bits: set 0, fresh copies, every output
                 p0, r16, r1 = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16])), \
                     RecordRing(*(x.clone() for x in rings_ref[1]))
                 p1, r16f = pool_ref.clone(), RecordRing(*(x.clone() for x in rings_ref[16]))
-                opts = dict(config=tile, max_registers=cap, stages=st)
+                opts = dict(config=tile, max_registers=cap, stages=st, prefetch=pf)
                 o_a, rec_a = torch.empty_like(out), tuple(torch.empty_like(x) for x in rec)
-                launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_a, rec_a, W, scale, True, **opts)
+                launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_a, rec_a, W, scale, True, key_rows=pkc, **opts)
                 opts["key_rows"] = kc
                 o_b = torch.empty_like(out)
                 launch_closed_form(q, k, v, g, beta, p0, rows0, qsl, o_b, r16, W, scale, True,
@@ -167,13 +176,15 @@ def main(argv=None):
                     first = bits
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(first, bits))
-                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc, "stages": st,
+                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc, "plain_key_rows": pkc, "stages": st,
+                       "prefetch": pf,
                        "state_dtype": args.state_dtype,
                        "exact_verify_us": exact_us, **{f"{n}_us": t for n, t in times.items()},
                        **{f"{n}_frac_copy": need[n] / t / 1e3 / copy["gbps"] for n, t in times.items()},
                        "bits_equal_first_tile": same}
                 rows.append(row)
-                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} stages={st or '-'} | "
+                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} plainKC={pkc or '-'} stages={st or '-'} "
+                      f"prefetch={'-' if pf is None else int(pf)} | "
                       f"exact {exact_us:7.1f} | "
                       + " ".join(f"{n} {times[n]:7.1f} ({100 * row[f'{n}_frac_copy']:3.0f}%)" for n in times)
                       + f" | bits {'ref' if same is None else same}", flush=True)
@@ -189,7 +200,8 @@ def main(argv=None):
                 best[key] = r
     for (B, W, n), r in sorted(best.items()):
         print(f"best B={B} W={W} {n}: BV={r['tile'][1]} warps={r['tile'][2]} regs={r['max_registers']} "
-              f"ringKC={r['ring_key_rows'] or '-'} stages={r.get('stages') or '-'} "
+              f"ringKC={r['ring_key_rows'] or '-'} plainKC={r.get('plain_key_rows') or '-'} stages={r.get('stages') or '-'} "
+              f"prefetch={'-' if r.get('prefetch') is None else int(r['prefetch'])} "
               f"{r[f'{n}_us']:.1f} us "
               f"({100 * r[f'{n}_frac_copy']:.0f}% of copy bw)")
     if not rows:

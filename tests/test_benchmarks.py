@@ -355,7 +355,7 @@ def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeyp
     assert offline_sass.summary(listing)["instructions"] == 7
     assert offline_sass.main(["--window", "2", "--max-pending", "8"]) == 0
     out = capsys.readouterr().out
-    assert "ring L=8, W=2 (WP=2, PP=8, KC=8, STAGES=1)" in out, out
+    assert "ring L=8, W=2 (WP=2, PP=8, KC=8, STAGES=1, PREFETCH=0)" in out, out
     found = [tuple(int(x, 16) for x in re.match(r"loop (0x\w+)-(0x\w+)", ln).groups()) + (ln,)
              for ln in out.splitlines() if ln.startswith("loop")]
     assert len(found) == 4, out

@@ -562,11 +562,13 @@ def test_fold_only_launch_with_a_max_window_equals_the_one_with_zero():
 
 
 def test_closed_form_key_rows_per_chunk_do_not_change_bits():
-    """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``):
-    1, 4 and 16 give the same outputs, rings and states bit for bit on rows that fold (15 pending
-    under L = 16), take the history path (3 and 12 pending) or have nothing pending, with a
-    bf16 state; a chunk that is not a power of two <= BK, a pipelining depth below 1, a
-    non-int or a bad register cap is a ``ValueError`` before any launch, with an empty batch too."""
+    """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``)
+    and its loads a chunk ahead (``prefetch``): 1, 4 and 16 rows, 4 and 16 with prefetch, give
+    the same outputs, rings and states bit for bit on rows that fold (15 pending under L = 16),
+    take the history path (3 and 12 pending) or have nothing pending, with a bf16 state, and
+    the plain form's outputs and records too; a chunk that is not a power of two <= BK, a
+    pipelining depth below 1, a non-int, a non-bool prefetch or a bad register cap is a
+    ``ValueError`` before any launch, with an empty batch too."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions
 
     HV, H, K, V, L, W = 2, 1, 16, 8, 16, 4
@@ -581,12 +583,17 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
                        -torch.rand(S, R, HV, generator=gen) * 2)
     pool = random_pool(S, HV, K, V, "cpu", dtype=torch.bfloat16, gen=gen)
     results = []
-    for rows in (1, 4, 16):
+    for rows, prefetch in ((1, False), (4, False), (16, False), (4, True), (16, True)):
         p, r = pool.clone(), RecordRing(*(x.clone() for x in ring0))
         out = torch.full((T, HV, V), float("nan"))
         launch_closed_form(*inp.args(), p, src, qsl, out, r, W, K**-0.5, True, pending=(start, count, L),
-                           key_rows=rows)
-        results.append((out, p, *r))
+                           key_rows=rows, prefetch=prefetch)
+        out_plain = torch.full((T, HV, V), float("nan"))
+        rec = (torch.full((T, HV, V), float("nan")), torch.full((T, H, K), float("nan")),
+               torch.full((T, HV), float("nan")))
+        launch_closed_form(*inp.args(), pool, src, qsl, out_plain, rec, W, K**-0.5, True, key_rows=rows,
+                           prefetch=prefetch)
+        results.append((out, p, *r, out_plain, *rec))
     for other in results[1:]:
         assert all(same_bits(a, b) for a, b in zip(results[0], other))
     assert not same_bits(results[0][1][0], pool[0]) and same_bits(results[0][1][1:], pool[1:])  # only row 0 folds
@@ -596,7 +603,8 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
             launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,
                                True, pending=(start, count, L), key_rows=bad)
         assert same_bits(p, pool)
-    for bad in (dict(stages=0), dict(stages=1.7), dict(key_rows=2.5), dict(key_rows=True), dict(max_registers=-5)):
+    for bad in (dict(stages=0), dict(stages=1.7), dict(key_rows=2.5), dict(key_rows=True), dict(max_registers=-5),
+                dict(prefetch=1)):
         p = pool.clone()
         with pytest.raises(ValueError, match=next(iter(bad))):  # pipelining depth, non-ints, register cap
             launch_closed_form(*inp.args(), p, src, qsl, out, RecordRing(*(x.clone() for x in ring0)), W, K**-0.5,

@@ -220,7 +220,7 @@ def gdn_closed_form_kernel(
     s_rus, s_rut, s_ruh, s_ruv, s_rks, s_rkt, s_rkh, s_rkk, s_rgs, s_rgt, s_rgh, s_ps, s_pc,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, WP: tl.constexpr,
-    PP: tl.constexpr, KH: tl.constexpr, STAGES: tl.constexpr,
+    PP: tl.constexpr, KH: tl.constexpr, STAGES: tl.constexpr, PREFETCH: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr, RING: tl.constexpr,
 ):
     """One program per (V tile, row x value head); the state streams through in chunks of
@@ -321,12 +321,25 @@ def gdn_closed_form_kernel(
         AQ = tl.zeros([WP, BV], dtype=tl.float32)
         if (W > 0) | fold:
             # a runtime loop: one chunk's registers live at a time; STAGES > 1 lets Triton's
-            # pipeliner copy the next chunks' loads to shared memory while this one computes
+            # pipeliner copy the next chunks' loads to shared memory while this one computes;
+            # PREFETCH loads the next chunk's state rows into registers before this chunk's FMAs
+            # (by hand: the loads stay in flight while the chunk computes)
+            if PREFETCH:
+                m_n = o_c < K
+                b_n = tl.load(base + o_c[:, None] * s_sk + o_v[None, :] * s_sv, mask=m_n[:, None] & m_v[None, :],
+                              other=0)
             for c in tl.range(0, BK // KC, num_stages=STAGES):
                 rows = c * KC + o_c
                 m_r = rows < K
                 m_s = m_r[:, None] & m_v[None, :]
-                b_s = tl.load(base + rows[:, None] * s_sk + o_v[None, :] * s_sv, mask=m_s, other=0).to(tl.float32)
+                if PREFETCH:
+                    b_s = b_n.to(tl.float32)
+                    m_n = (rows + KC) < K  # past the last chunk: masked, no traffic
+                    b_n = tl.load(base + (rows + KC)[:, None] * s_sk + o_v[None, :] * s_sv,
+                                  mask=m_n[:, None] & m_v[None, :], other=0)
+                else:
+                    b_s = tl.load(base + rows[:, None] * s_sk + o_v[None, :] * s_sv, mask=m_s, other=0).to(
+                        tl.float32)
                 if RING:
                     if fold:  # S_P = exp(G_P) S0 + sum_p exp(G_P - G_p) k̂_p u_p^T, stored once
                         b_s = b_s * tl.exp(GP)
@@ -479,6 +492,12 @@ HISTORY_CHUNK = 4
 #: the same order; the sweep checks them).
 STATE_STAGES = 1
 
+#: Whether the state loop loads the next chunk's state rows into registers before the current
+#: chunk's FMAs (``PREFETCH``), so each program keeps a chunk's loads in flight while it computes
+#: (docs/perf-notes.md "v8"). Costs one more chunk of registers. Bits do not depend on it (the
+#: same values reach the same FMAs).
+STATE_PREFETCH = False
+
 
 def window_block(max_window: int) -> int:
     """The kernel's window block ``WP = next_pow2(max(1, max_window))`` (a constexpr: one
@@ -514,16 +533,17 @@ def _check_int(name: str, value, upper: int | None = None) -> None:
 
 
 def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_rows: int | None = None,
-                    stages: int | None = None) -> dict:
+                    stages: int | None = None, prefetch: bool | None = None) -> dict:
     """The block constexprs of :func:`gdn_closed_form_kernel` for a launch (and for
     ``scripts/offline_sass.py``, which compiles the same binary): ``WP`` (:func:`window_block`),
     ``PP`` (:func:`pending_block` of the ring's ``positions``; 1 without a ring), ``KC``
-    (:func:`key_chunk`, or ``key_rows``), ``KH`` (:func:`history_chunk`) and ``STAGES`` (the
-    state loop's ``num_stages``: :data:`STATE_STAGES`, or ``stages``).
+    (:func:`key_chunk`, or ``key_rows``), ``KH`` (:func:`history_chunk`), ``STAGES`` (the
+    state loop's ``num_stages``: :data:`STATE_STAGES`, or ``stages``) and ``PREFETCH`` (the
+    next chunk's state rows loaded a chunk ahead: :data:`STATE_PREFETCH`, or ``prefetch``).
 
     Raises:
         ValueError: ``key_rows`` not a power of two in ``1..BK``; ``stages`` below 1; either not
-            an ``int``.
+            an ``int``; ``prefetch`` not a bool.
     """
     _check_int("key_rows", key_rows)
     _check_int("stages", stages)
@@ -534,12 +554,15 @@ def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_ro
     STAGES = STATE_STAGES if stages is None else int(stages)
     if STAGES < 1:
         raise ValueError(f"launch_closed_form: stages: got {stages}; expected 1 or more")
+    if prefetch is not None and not isinstance(prefetch, bool):
+        raise ValueError(f"launch_closed_form: prefetch: got {prefetch!r}; expected a bool")
     return dict(WP=WP, PP=pending_block(positions, max_window) if ring else 1, KC=KC, KH=history_chunk(BK),
-                STAGES=STAGES)
+                STAGES=STAGES, PREFETCH=STATE_PREFETCH if prefetch is None else prefetch)
 
 
 def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, record, max_window, scale,
-                       use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None, stages=None):
+                       use_qk_l2norm, pending=None, config=None, max_registers=None, key_rows=None, stages=None,
+                       prefetch=None):
     """Launch :func:`gdn_closed_form_kernel` (no allocation).
 
     ``record`` is ``(u, k, third)``: token rows ``[T, ...]`` with ``third = decay`` when
@@ -547,11 +570,12 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
     ``(pending_start [B], pending_count [B], max_pending)``. ``config`` overrides the tile
     ``(BK, BV, num_warps)``, ``max_registers`` the register cap (default :data:`MAX_REGISTERS`;
     compiled launches only; an int in 1..255), ``key_rows`` the state loop's rows per chunk (a power of two
-    ``<= BK``; default :func:`key_chunk`) and ``stages`` its software-pipelining depth (default
-    :data:`STATE_STAGES`; the interpreter ignores it); bits depend on none of them.
+    ``<= BK``; default :func:`key_chunk`), ``stages`` its software-pipelining depth (default
+    :data:`STATE_STAGES`; the interpreter ignores it) and ``prefetch`` whether it loads each chunk's
+    state rows a chunk ahead (default :data:`STATE_PREFETCH`); bits depend on none of them.
 
     Raises:
-        ValueError: a bad ``config``, ``max_registers``, ``key_rows`` or ``stages``, before
+        ValueError: a bad ``config``, ``max_registers``, ``key_rows``, ``stages`` or ``prefetch``, before
             anything is launched (with an empty batch too).
     """
     T, H, K = q.shape
@@ -569,7 +593,7 @@ def launch_closed_form(q, k, v, g, beta, state, slots, query_start_loc, out, rec
         pstart, pcount, L = pending
         R = ru.shape[1]
         rec_strides = (*ru.stride(), *rk.stride(), *rg.stride())
-    blocks = block_constants(BK, max_window, R, pending is not None, key_rows, stages)  # checks them
+    blocks = block_constants(BK, max_window, R, pending is not None, key_rows, stages, prefetch)  # checks them
     if B == 0:
         return
     grid = (triton.cdiv(V, BV), B * HV)
