@@ -125,11 +125,12 @@ for part in $PARTS; do
       done
       ;;
     fast)  # fast mode's committed numbers (benchmarks/results/fast_mode/): B=64, k=3, fp32 and bf16 state
-      # the tuning run at the launch's defaults; FAST_CAPS / FAST_RING_KC / FAST_PLAIN_KC / FAST_STAGES /
-      # FAST_PREFETCH (comma lists) sweep the register cap, the ring and plain forms' key rows per
-      # chunk, the state loop's stages and its loads a chunk ahead (0,1); FAST_BENCH=0: the tuning run only
+      # the tuning run at the launch's defaults; FAST_TILES (BV:warps,...) / FAST_CAPS / FAST_RING_KC /
+      # FAST_PLAIN_KC / FAST_STAGES / FAST_PREFETCH (comma lists) sweep the tile, the register cap, the
+      # ring and plain forms' key rows per chunk, the state loop's stages and its loads a chunk ahead
+      # (0,1); FAST_BENCH=0: the tuning run only
       mkdir -p "$OUT/fast_mode"
-      python3 scripts/tune_closed_form.py --batch 64 --windows 2,4,8 --tiles 128:1 ${FAST_CAPS:+--max-registers "$FAST_CAPS"} \
+      python3 scripts/tune_closed_form.py --batch 64 --windows 2,4,8 --tiles "${FAST_TILES:-128:1}" ${FAST_CAPS:+--max-registers "$FAST_CAPS"} \
         ${FAST_RING_KC:+--ring-key-rows "$FAST_RING_KC"} ${FAST_PLAIN_KC:+--plain-key-rows "$FAST_PLAIN_KC"} \
         ${FAST_STAGES:+--stages "$FAST_STAGES"} ${FAST_PREFETCH:+--prefetch "$FAST_PREFETCH"} \
         --out "$OUT/fast_mode/tune_closed_form_b64_w2-4-8_float32.json" > "$OUT/fast_mode/tune.log" 2>&1
