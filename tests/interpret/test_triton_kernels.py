@@ -588,12 +588,16 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
         out = torch.full((T, HV, V), float("nan"))
         launch_closed_form(*inp.args(), p, src, qsl, out, r, W, K**-0.5, True, pending=(start, count, L),
                            key_rows=rows, prefetch=prefetch)
-        out_plain = torch.full((T, HV, V), float("nan"))
+        results.append((out, p, *r))
+    plain = []
+    for rows, prefetch in ((1, False), (4, True)):  # the plain form shares the state loop
+        out = torch.full((T, HV, V), float("nan"))
         rec = (torch.full((T, HV, V), float("nan")), torch.full((T, H, K), float("nan")),
                torch.full((T, HV), float("nan")))
-        launch_closed_form(*inp.args(), pool, src, qsl, out_plain, rec, W, K**-0.5, True, key_rows=rows,
+        launch_closed_form(*inp.args(), pool, src, qsl, out, rec, W, K**-0.5, True, key_rows=rows,
                            prefetch=prefetch)
-        results.append((out, p, *r, out_plain, *rec))
+        plain.append((out, *rec))
+    assert all(same_bits(a, b) for a, b in zip(*plain))
     for other in results[1:]:
         assert all(same_bits(a, b) for a, b in zip(results[0], other))
     assert not same_bits(results[0][1][0], pool[0]) and same_bits(results[0][1][1:], pool[1:])  # only row 0 folds
