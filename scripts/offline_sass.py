@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     s = summary(sass)
     form = "plain" if args.plain else f"ring L={args.max_pending}"
     print(f"gdn_closed_form_kernel sm_90, Triton {triton.__version__}: {form}, W={args.window} (WP={consts['WP']}, "
-          f"PP={consts['PP']}, KC={consts['KC']}, STAGES={consts['STAGES']}, PREFETCH={int(consts['PREFETCH'])}), BV={args.bv}, {args.warps} warp(s), "
+          f"PP={consts['PP']}, KC={consts['KC']}, STAGES={consts['STAGES']}, PREFETCH={int(consts['PREFETCH'])}), "
+          f"BV={args.bv}, {args.warps} warp(s), "
           f"{compiled.metadata.maxnreg if hasattr(compiled.metadata, 'maxnreg') else '?'} registers at most")
     print(f"{s['instructions']} instructions, {s['local']} local-memory (spill) instructions; "
           + ", ".join(f"{k} {v}" for k, v in s["ops"].most_common(8)))

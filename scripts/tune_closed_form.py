@@ -60,6 +60,8 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if any(w < 1 or w > 16 for w in args.windows):
         p.error(f"--windows: got {args.windows}; expected window lengths in 1..16")
+    if args.prefetch and any(x not in (0, 1) for x in args.prefetch):
+        p.error(f"--prefetch: got {args.prefetch}; expected 0 and/or 1")
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         p.error("--device cpu runs the Triton kernels under the interpreter: set TRITON_INTERPRET=1 before the "
                 "command (TRITON_INTERPRET=1 python scripts/tune_closed_form.py --device cpu)")
@@ -124,8 +126,8 @@ def main(argv=None):
             def calls(tile, cap, kc, pkc, st, pf):
                 return {
                     "plain": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rec, W, scale,
-                                                          True, config=tile, max_registers=cap, key_rows=pkc, stages=st,
-                                                          prefetch=pf),
+                                                          True, config=tile, max_registers=cap, key_rows=pkc,
+                                                          stages=st, prefetch=pf),
                     "lazy_hist": lambda i: launch_closed_form(q, k, v, g, beta, pool, src[i], qsl, out, rings[16], W,
                                                               scale, True, pending=(zeros, p_hist, 16), config=tile,
                                                               max_registers=cap, key_rows=kc, stages=st, prefetch=pf),
@@ -148,7 +150,8 @@ def main(argv=None):
             for tile, cap, kc, pkc, st, pf in [(t, c, r, pr, d, f) for t in tiles for c in caps for r in chunks
                                                for pr in plain_chunks for d in depths for f in prefetches]:
                 try:
-                    times = {name: timer.time_call(c, n_sets)[0] for name, c in calls(tile, cap, kc, pkc, st, pf).items()}
+                    variant = calls(tile, cap, kc, pkc, st, pf)
+                    times = {name: timer.time_call(c, n_sets)[0] for name, c in variant.items()}
                 except Exception as exc:  # a tile the compiler rejects: report, go on
                     print(f"B={B} W={W} tile {tile} cap {cap} ring KC {kc} plain KC {pkc} stages {st} prefetch {pf}: "
                           f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -176,15 +179,14 @@ def main(argv=None):
                     first = bits
                 else:
                     same = all(torch.equal(a, b) for a, b in zip(first, bits))
-                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc, "plain_key_rows": pkc, "stages": st,
-                       "prefetch": pf,
-                       "state_dtype": args.state_dtype,
+                row = {"batch": B, "W": W, "tile": list(tile), "max_registers": cap, "ring_key_rows": kc,
+                       "plain_key_rows": pkc, "stages": st, "prefetch": pf, "state_dtype": args.state_dtype,
                        "exact_verify_us": exact_us, **{f"{n}_us": t for n, t in times.items()},
                        **{f"{n}_frac_copy": need[n] / t / 1e3 / copy["gbps"] for n, t in times.items()},
                        "bits_equal_first_tile": same}
                 rows.append(row)
-                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} plainKC={pkc or '-'} stages={st or '-'} "
-                      f"prefetch={'-' if pf is None else int(pf)} | "
+                print(f"B={B:>4} W={W} BV={tile[1]:>3} warps={tile[2]} regs={cap} ringKC={kc or '-'} "
+                      f"plainKC={pkc or '-'} stages={st or '-'} prefetch={'-' if pf is None else int(pf)} | "
                       f"exact {exact_us:7.1f} | "
                       + " ".join(f"{n} {times[n]:7.1f} ({100 * row[f'{n}_frac_copy']:3.0f}%)" for n in times)
                       + f" | bits {'ref' if same is None else same}", flush=True)
@@ -200,7 +202,8 @@ def main(argv=None):
                 best[key] = r
     for (B, W, n), r in sorted(best.items()):
         print(f"best B={B} W={W} {n}: BV={r['tile'][1]} warps={r['tile'][2]} regs={r['max_registers']} "
-              f"ringKC={r['ring_key_rows'] or '-'} plainKC={r.get('plain_key_rows') or '-'} stages={r.get('stages') or '-'} "
+              f"ringKC={r['ring_key_rows'] or '-'} plainKC={r.get('plain_key_rows') or '-'} "
+              f"stages={r.get('stages') or '-'} "
               f"prefetch={'-' if r.get('prefetch') is None else int(r['prefetch'])} "
               f"{r[f'{n}_us']:.1f} us "
               f"({100 * r[f'{n}_frac_copy']:.0f}% of copy bw)")

@@ -565,10 +565,10 @@ def test_closed_form_key_rows_per_chunk_do_not_change_bits():
     """The state loop's rows per chunk (``key_rows``, swept by ``scripts/tune_closed_form.py``)
     and its loads a chunk ahead (``prefetch``): 1, 4 and 16 rows, 4 and 16 with prefetch, give
     the same outputs, rings and states bit for bit on rows that fold (15 pending under L = 16),
-    take the history path (3 and 12 pending) or have nothing pending, with a bf16 state, and
-    the plain form's outputs and records too; a chunk that is not a power of two <= BK, a
-    pipelining depth below 1, a non-int, a non-bool prefetch or a bad register cap is a
-    ``ValueError`` before any launch, with an empty batch too."""
+    take the history path (3 and 12 pending) or have nothing pending, with a bf16 state (the
+    plain form's outputs and records: 4 rows with prefetch == 1 row without); a chunk that is
+    not a power of two <= BK, a pipelining depth below 1, a non-int, a non-bool prefetch or a
+    bad register cap is a ``ValueError`` before any launch, with an empty batch too."""
     from ssm_spec.ops.gdn.closed_form import RecordRing, launch_closed_form, ring_positions
 
     HV, H, K, V, L, W = 2, 1, 16, 8, 16, 4
