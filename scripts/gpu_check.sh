@@ -134,7 +134,7 @@ for part in $PARTS; do
         ${FAST_RING_KC:+--ring-key-rows "$FAST_RING_KC"} ${FAST_PLAIN_KC:+--plain-key-rows "$FAST_PLAIN_KC"} \
         ${FAST_STAGES:+--stages "$FAST_STAGES"} ${FAST_PREFETCH:+--prefetch "$FAST_PREFETCH"} \
         --out "$OUT/fast_mode/tune_closed_form_b64_w2-4-8_float32.json" > "$OUT/fast_mode/tune.log" 2>&1
-      summary+=("fast: $(grep -E "^best" "$OUT/fast_mode/tune.log" | tr '\n' ';')")
+      summary+=("fast: $(grep -E "^best|FAIL" "$OUT/fast_mode/tune.log" | tr '\n' ';')")
       [ "${FAST_BENCH:-1}" = 0 ] && continue
       python3 benchmarks/bench_ops.py --batches 64 --k 3 --out-dir "$OUT/fast_mode" > "$OUT/fast_mode/bench_ops.log" 2>&1
       python3 benchmarks/bench_ops.py --batches 64 --k 3 --state-dtype bfloat16 --out-dir "$OUT/fast_mode" \

@@ -364,3 +364,17 @@ def test_offline_sass_counts_each_loop_of_the_closed_form_kernel(capsys, monkeyp
     block = next(ln for a, b, ln in found if (a, b) == nested[0])
     # a block of 4 records on KC = 8 rows of a 128-wide V tile, one warp: 8 * 4 * 128 / 32 FMAs a lane
     assert re.search(r"FFMA 128\b", block), block
+
+
+def test_tune_closed_form_reads_its_sweep_flags(capsys):
+    """``scripts/tune_closed_form.py``'s sweep flags parse to the lists the sweep walks, and a
+    prefetch other than 0/1 is a usage error (it once ran silently as 1)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tune_closed_form as tune
+
+    args = tune.parse(["--prefetch", "0,1", "--plain-key-rows", "4,8", "--ring-key-rows", "8", "--stages", "1"])
+    assert (args.prefetch, args.plain_key_rows, args.ring_key_rows, args.stages) == ([0, 1], [4, 8], [8], [1])
+    for bad in ("2", "0,-1"):
+        with pytest.raises(SystemExit) as exc:
+            tune.parse(["--prefetch", bad])
+        assert exc.value.code == 2 and "--prefetch" in capsys.readouterr().err.strip().splitlines()[-1]

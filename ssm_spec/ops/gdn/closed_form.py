@@ -459,8 +459,11 @@ MAX_REGISTERS = 128
 def key_chunk(BK: int, WP: int, ring: bool) -> int:
     """Key rows per chunk of the closed-form kernel's state loop (a power of two <= ``BK``).
 
-    The window's keys and queries on a chunk, ``2 * KC * WP`` values, are replicated in every
-    thread, so the chunk shrinks as the window grows. Measured on the H200 (B=64, fp32,
+    ``ring`` (the lazy/folded forms) no longer changes the rule since 2026-12-02 (both forms take
+    8 rows at window blocks 2 and 4); it stays so the rule can differ again by form. The window's
+    keys and queries on a chunk, ``2 * KC * WP`` values, are replicated in every thread, so past
+    a window block of 4 the chunk shrinks as the window grows (a block of 1 keeps 4 rows: not
+    measured at 8). Measured on the H200 (B=64, fp32,
     docs/perf-notes.md): plain W=4 8 rows 44.0 us (4 rows 47.4), W=2 8 rows 39.5 (4 rows 40.7,
     16 rows 49.8; 2026-12-02), W=8 4 rows 76.2 (2 rows 116, 8 rows 179). The ring forms (fold,
     history), kernel v6 (history products in their own loop), H200 2026-12-02,
@@ -493,9 +496,11 @@ HISTORY_CHUNK = 4
 STATE_STAGES = 1
 
 #: Whether the state loop loads the next chunk's state rows into registers before the current
-#: chunk's FMAs (``PREFETCH``), so each program keeps a chunk's loads in flight while it computes
-#: (docs/perf-notes.md "v8"). Costs one more chunk of registers. Bits do not depend on it (the
-#: same values reach the same FMAs).
+#: chunk's FMAs (``PREFETCH``), so each program keeps a chunk's loads in flight while it computes.
+#: Costs one more chunk of registers. Measured on the H200 (B=64, fp32, 2026-12-02,
+#: docs/perf-notes.md "v8"): at each form's default chunk slower or within noise (W=4: plain 44.5
+#: -> 55.6 us, fold of 15 pending 129.8 -> 156.4, folded 90.5 -> 109.5; bf16 plain 37.6 -> 37.2),
+#: so off. Bits do not depend on it (the same values reach the same FMAs; the sweep checks them).
 STATE_PREFETCH = False
 
 
