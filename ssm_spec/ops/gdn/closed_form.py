@@ -456,21 +456,20 @@ def gdn_closed_form_kernel(
 MAX_REGISTERS = 128
 
 
-def key_chunk(BK: int, WP: int, ring: bool) -> int:
-    """Key rows per chunk of the closed-form kernel's state loop (a power of two <= ``BK``).
+def key_chunk(BK: int, WP: int) -> int:
+    """Key rows per chunk of the closed-form kernel's state loop (a power of two <= ``BK``), the
+    same for the plain and the ring forms.
 
-    ``ring`` (the lazy/folded forms) no longer changes the rule since 2026-12-02 (both forms take
-    8 rows at window blocks 2 and 4); it stays so the rule can differ again by form. The window's
-    keys and queries on a chunk, ``2 * KC * WP`` values, are replicated in every thread, so past
-    a window block of 4 the chunk shrinks as the window grows (a block of 1 keeps 4 rows: not
-    measured at 8). Measured on the H200 (B=64, fp32,
-    docs/perf-notes.md): plain W=4 8 rows 44.0 us (4 rows 47.4), W=2 8 rows 39.5 (4 rows 40.7,
-    16 rows 49.8; 2026-12-02), W=8 4 rows 76.2 (2 rows 116, 8 rows 179). The ring forms (fold,
-    history), kernel v6 (history products in their own loop), H200 2026-12-02,
-    ``scripts/tune_closed_form.py --ring-key-rows 4,8``: 8 rows for W = 2..4 (fold of 15 pending
-    under max_pending 16: W=4 129.6 us, 4 rows 172.7; W=2 111.0 vs 148.2; folded W=4 90.3 vs
-    96.0; history within 1.5 us either way), 4 rows for W=8 (8 rows spill: fold 459.7 vs 227.1). Bits do not depend on it (one FMA chain over the key axis
-    whatever the chunk)."""
+    The window's keys and queries on a chunk, ``2 * KC * WP`` values, are replicated in every
+    thread, so past a window block of 4 the chunk shrinks as the window grows (a block of 1 keeps
+    4 rows: not measured at 8). Measured on the H200 (B=64, fp32, docs/perf-notes.md): plain W=4
+    8 rows 44.0 us (4 rows 47.4), W=2 8 rows 39.5 (4 rows 40.7, 16 rows 49.8; 2026-12-02), W=8 4
+    rows 76.2 (2 rows 116, 8 rows 179). The ring forms (fold, history), kernel v6 (history
+    products in their own loop), H200 2026-12-02, ``scripts/tune_closed_form.py --ring-key-rows
+    4,8``: 8 rows for W = 2..4 (fold of 15 pending under max_pending 16: W=4 129.6 us, 4 rows
+    172.7; W=2 111.0 vs 148.2; folded W=4 90.3 vs 96.0; history within 1.5 us either way), 4 rows
+    for W=8 (8 rows spill: fold 459.7 vs 227.1). Bits do not depend on it (one FMA chain over the
+    key axis whatever the chunk)."""
     kc = 8 if WP in (2, 4) else (4 if WP <= 8 else 2)
     return max(1, min(kc, BK))
 
@@ -553,7 +552,7 @@ def block_constants(BK: int, max_window: int, positions: int, ring: bool, key_ro
     _check_int("key_rows", key_rows)
     _check_int("stages", stages)
     WP = window_block(max_window)
-    KC = key_chunk(BK, WP, ring) if key_rows is None else int(key_rows)
+    KC = key_chunk(BK, WP) if key_rows is None else int(key_rows)
     if KC < 1 or KC > BK or KC & (KC - 1):
         raise ValueError(f"launch_closed_form: key_rows: got {key_rows}; expected a power of two <= BK ({BK})")
     STAGES = STATE_STAGES if stages is None else int(stages)
