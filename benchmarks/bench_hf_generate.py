@@ -23,6 +23,13 @@ seen) and as the median of ``--repeats`` timed calls:
    in place, so this runs after the baselines);
 4. ``ours+lookup``: ``generate(prompt_lookup_num_tokens=k)`` on the converted model, with a
    ``RecoverSSMCache`` passed in to read its acceptance stats afterwards;
+``hf_lookup``: transformers' own ``prompt_lookup_num_tokens=k`` on the unconverted model (releases
+from 5.25 run assisted decoding on GDN models themselves, with a history of recurrent states;
+older ones refuse it, and the run is recorded as skipped with the refusal); ``hf_static``:
+plain greedy with ``cache_implementation="static"``, the path transformers compiles on CUDA
+(skipped, with the error, where a release cannot build that cache for the model). Both run
+before the conversion and are compared with ``hf`` token for token like every other run.
+
 5. ``graphs`` and 6. ``graphs+lookup``: (3) and (4) with ``apply_recoverssm(model,
    cuda_graphs=True)``: every forward after the prompt replays a captured CUDA graph
    (``ssm_spec.hf.graphed``; captured in the warm-up call, kept on the model). ``--no-graphs``
@@ -85,10 +92,12 @@ from ssm_spec.hf.kernels import hf_reference_kernels
 from ssm_spec.hf.tiny import KINDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RUNS = ("hf", "hf-torch", "ours", "ours+lookup", "graphs", "graphs+lookup")
+RUNS = ("hf", "hf-torch", "hf_lookup", "hf_static", "ours", "ours+lookup", "graphs", "graphs+lookup")
 RUN_TITLES = {
     "hf": "(1) plain generate, unconverted model (transformers' GDN path, fla-core where installed)",
     "hf-torch": "(2) plain generate, unconverted model (transformers' PyTorch reference functions)",
+    "hf_lookup": "transformers' own prompt lookup on the unconverted model (releases that run it: 5.25+)",
+    "hf_static": "plain generate, unconverted model, cache_implementation='static' (compiled on CUDA)",
     "ours": "(3) plain generate, converted model (RecoverSSMCache)",
     "ours+lookup": "(4) prompt-lookup generate, converted model",
     "graphs": "(5) plain generate, converted model, forwards replayed as CUDA graphs",
@@ -402,6 +411,15 @@ def run(args) -> dict:
         runs["hf-torch"], hf_torch = timed_generate_hf_torch(model, prompt, clock, phases, kernels, **common)
         same = f" (the same kernels as hf, {same_kernels_why(kernels)})" if hf_torch["same_as_hf"] else ""
         print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
+    skipped = {}
+    for name, extra in (("hf_lookup", {"prompt_lookup_num_tokens": k}), ("hf_static", {"cache_implementation": "static"})):
+        try:
+            runs[name] = timed_generate(model, prompt, clock, phases, name, make_extra=lambda extra=extra: dict(extra),
+                                        **common)
+            print(f"{name + ':':<12} {runs[name]['tokens_per_s']:8.1f} tok/s", flush=True)
+        except Exception as exc:  # a release without the feature: recorded, never fatal
+            skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            print(f"{name + ':':<12} skipped ({skipped[name]})", flush=True)
     plain_seq = prompt[0].tolist() + runs["hf"]["tokens"]
     with phases("hf logits"):
         plain_logits = full_logits(model, torch.tensor([plain_seq], device=device))
@@ -451,6 +469,7 @@ def run(args) -> dict:
     # Agreement of the token sequences.
     agreement = {}
     pairs = [("hf", "hf-torch")] if "hf-torch" in runs else []
+    pairs += [("hf", name) for name in ("hf_lookup", "hf_static") if name in runs]
     pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
     if graphs is not None:
         pairs += [("hf", "graphs"), ("hf", "graphs+lookup"), ("ours", "graphs"), ("ours+lookup", "graphs+lookup")]
@@ -489,6 +508,7 @@ def run(args) -> dict:
         "hf_torch_patched": hf_torch["patched"],
         "hf_torch_same_as_hf": hf_torch["same_as_hf"],
         "runs": runs,
+        "skipped": skipped,
         "tokens_per_s": tps,
         "speedup_lookup_over_hf": tps["ours+lookup"] / tps["hf"],
         "speedup_ours_over_hf": tps["ours"] / tps["hf"],
@@ -502,6 +522,8 @@ def run(args) -> dict:
         "speedup_graphs_over_hf": ratio(tps, "graphs", "hf"),
         "speedup_graphs_lookup_over_graphs": ratio(tps, "graphs+lookup", "graphs"),
         "speedup_graphs_lookup_over_hf_torch": ratio(tps, "graphs+lookup", "hf-torch"),
+        "speedup_graphs_over_hf_static": ratio(tps, "graphs", "hf_static"),
+        "speedup_graphs_lookup_over_hf_lookup": ratio(tps, "graphs+lookup", "hf_lookup"),
         "agreement": agreement,
         "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
         "plain_logit_gaps": gen_gaps,
@@ -542,7 +564,8 @@ def print_table(res: dict) -> None:
     print("-" * len(head))
     for name in RUNS:
         if name not in res["runs"]:
-            print(f"{name:<13} | skipped ({'--no-graphs' if 'graphs' in name else '--no-hf-torch'})")
+            why = res.get("skipped", {}).get(name) or ("--no-graphs" if "graphs" in name else "--no-hf-torch")
+            print(f"{name:<13} | skipped ({why})")
             continue
         r = res["runs"][name]
         if name == "hf":
@@ -623,10 +646,11 @@ def save_plot(res: dict, path: Path) -> bool:
     fig, (ax_g, ax_f) = plt.subplots(1, 2, figsize=(11, 4.2))
     tps = res["tokens_per_s"]
     names = [n for n in RUNS if n in tps]
-    labels = {"hf": "hf generate", "hf-torch": "hf generate\n(torch reference)", "ours": "ours generate",
+    labels = {"hf": "hf generate", "hf-torch": "hf generate\n(torch reference)",
+              "hf_lookup": f"hf's own lookup k={k}", "hf_static": "hf static cache\n(compiled)", "ours": "ours generate",
               "ours+lookup": f"ours + lookup k={k}", "graphs": "ours generate\n(CUDA graphs)",
               "graphs+lookup": f"ours + lookup k={k}\n(CUDA graphs)"}
-    colors = {"hf": "tab:gray", "hf-torch": "silver", "ours": "tab:blue", "ours+lookup": "tab:green",
+    colors = {"hf": "tab:gray", "hf-torch": "silver", "hf_lookup": "tab:brown", "hf_static": "tab:red", "ours": "tab:blue", "ours+lookup": "tab:green",
               "graphs": "tab:purple", "graphs+lookup": "tab:olive"}
     vals = [tps[n] for n in names]
     bars = ax_g.bar([labels[n] for n in names], vals, color=[colors[n] for n in names])

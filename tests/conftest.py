@@ -41,6 +41,18 @@ def _hf_reference_kernels():
         yield
 
 
+#: The files whose tests exercise the Hugging Face path; marked ``hf``, so ``.ci/run`` runs them
+#: again on a second transformers release (``pytest -m hf``).
+HF_TEST_FILES = {"test_hf_rollback.py", "test_hf_generate.py", "test_hf_graphs.py", "test_hf_model_classes.py",
+                 "test_fast_mode_hf.py", "test_cli_generate.py", "test_device_map.py", "test_demo_model.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in HF_TEST_FILES:
+            item.add_marker(pytest.mark.hf)
+
+
 def pytest_collection_finish(session):
     """Start the Triton interpreter's process (tests/test_triton_interpret.py) right after
     collection when its test is selected, so it runs beside the rest of the suite."""

@@ -26,6 +26,13 @@ def _is_hf_gdn(module: nn.Module) -> bool:
     return hasattr(module, "A_log") and (hasattr(module, "in_proj_qkvz") or hasattr(module, "in_proj_qkv"))
 
 
+def has_unconverted_gdn(model: nn.Module) -> bool:
+    """Whether ``model`` holds a Hugging Face GatedDeltaNet that :func:`apply_recoverssm` has not
+    replaced (read from the module tree: transformers 5.25 dropped the ``_is_stateful`` flag that
+    older releases set on such models)."""
+    return any(_is_hf_gdn(m) and not isinstance(m, RecoverGDNAdapter) for m in model.modules())
+
+
 def is_converted(model: nn.Module) -> bool:
     """Whether :func:`apply_recoverssm` has converted ``model``."""
     return getattr(model, "_recoverssm", None) is not None
@@ -221,9 +228,10 @@ def _generate(self, *args, **kwargs):
         raise ValueError(f"generate: {', '.join(media)}: a converted model takes text prompts only (its GDN cache "
                          "does not track image or video tokens); call generate on the unconverted model for those")
     assistant = named.get("assistant_model")
-    if assistant is not None and getattr(assistant, "_is_stateful", False):
-        raise ValueError("generate: the assistant is a stateful GDN model that cannot roll back its states; "
-                         "convert it with ssm_spec.hf.apply_recoverssm(assistant) first")
+    if assistant is not None and has_unconverted_gdn(assistant):
+        raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
+                         "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
+                         "first")
     k = draft_length(gen_config, named)
     drafting = k > 0 and not _is_assistant_call(gen_config, named)  # this call verifies drafts
     if drafting and self.device.type == "meta":

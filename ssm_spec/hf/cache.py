@@ -76,9 +76,15 @@ class RecoverLinearAttentionLayer(LinearAttentionLayer):
     :class:`RollbackPool` does) and reports what transformers asks of a linear layer:
     croppable, never compiled, crop/reorder/reset handled once by the cache."""
 
-    def __init__(self):
+    def __init__(self, owner=None):
         super().__init__(number_of_states=1)
         self.record_past = True
+        self.owner = owner  # the RecoverSSMCache holding it: the one that knows the tokens held
+
+    def get_seq_length(self) -> int:
+        """Tokens held per row, as the owning cache counts them (transformers 5.25's own linear
+        layers count their updates; these layers see none)."""
+        return 0 if self.owner is None else self.owner.get_seq_length()
 
     def lazy_initialization(self, *args, **kwargs):
         raise RuntimeError(_NOT_HF_PATH)
@@ -173,7 +179,7 @@ class RecoverSSMCache(DynamicCache):
             if i >= len(self.layers):
                 raise ValueError(f"RecoverSSMCache: converted layer index {i} is outside the config's "
                                  f"{len(self.layers)} layers")
-            self.layers[i] = RecoverLinearAttentionLayer()
+            self.layers[i] = RecoverLinearAttentionLayer(self)
         self.kv_capacity = None if max_cache_len is None else int(max_cache_len)
         if self.kv_capacity is not None:
             for i in range(len(self.layers)):
@@ -259,8 +265,14 @@ class RecoverSSMCache(DynamicCache):
                 layer.crop(-remove)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if all(isinstance(layer, RecoverLinearAttentionLayer) for layer in self.layers):
-            return self.rollback.seen if self.rollback is not None else 0
+        """Tokens held per row (a host int). A converted layer's index answers for the first
+        attention layer, as transformers up to 5.24 did for every linear layer (5.25 asks the
+        layer, which holds nothing here); with no attention layer, the rollback pool's count."""
+        if layer_idx < len(self.layers) and isinstance(self.layers[layer_idx], RecoverLinearAttentionLayer):
+            layer_idx = next((i for i, layer in enumerate(self.layers)
+                              if not isinstance(layer, RecoverLinearAttentionLayer)), None)
+            if layer_idx is None:
+                return self.rollback.seen if self.rollback is not None else 0
         return super().get_seq_length(layer_idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):

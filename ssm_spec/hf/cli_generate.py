@@ -333,8 +333,13 @@ def _has_gdn(model) -> bool:
 def _load_pretrained(path: Path, option: str, dtype: torch.dtype, device):
     from transformers import AutoModelForCausalLM
 
+    import importlib.util
+
+    # transformers 5.25 kernelizes every loaded model through the `kernels` package, a dependency
+    # it requires; where it was installed without it (--no-deps), load without kernelizing
+    extra = {} if importlib.util.find_spec("kernels") is not None else {"use_kernels": False}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **extra)
     except Exception as exc:  # unsupported architecture, missing weights: all user-facing
         raise CLIError(f"{option} {path}: cannot load it as a causal LM: {exc}") from exc
     return model.to(device).eval()
