@@ -29,6 +29,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
   [ -f /tmp/site/.installed ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# another transformers release (the machine has 5.17): TF_WHEELS=.whl525 names a folder of carried
+# wheels (transformers==5.25.0, huggingface_hub>=2.4 and what they need; name it in carry too),
+# installed apart and put first on the path; its `kernels` dependency is not carried
+# (USE_HUB_KERNELS=0 tells transformers not to use it)
+if [ -n "${TF_WHEELS:-}" ]; then
+  [ -f /tmp/site-tf/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf "$TF_WHEELS"/*.whl && touch /tmp/site-tf/.installed; }
+  export PYTHONPATH="/tmp/site-tf:$PYTHONPATH" USE_HUB_KERNELS=0
+fi
 # Triton autotuning results: fla-core tunes each of its kernels on first use (every config
 # compiled and timed: one to two minutes per process on a fresh machine, seen on the H200).
 # fla-core builds its autotuners with cache_results=False, so Triton keeps the winners on disk
@@ -52,7 +60,7 @@ save_autotune() {
 trap save_autotune EXIT
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' | tee -a "$OUT/gpu.txt"
 for part in $PARTS; do
   case $part in
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
