@@ -377,7 +377,7 @@ def model_config(args) -> tuple[dict, dict]:
 
 def run(args) -> dict:
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
-    from ssm_spec.hf.apply import cache_kwarg
+    from ssm_spec.hf import cache_kwarg, kept_cache
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
@@ -454,7 +454,7 @@ def run(args) -> dict:
         runs["graphs+lookup"] = timed_generate(model, prompt, clock, phases, "graphs+lookup",
                                                make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
         print(f"graphs+lookup: {runs['graphs+lookup']['tokens_per_s']:6.1f} tok/s", flush=True)
-        gcache = model._recoverssm["graph_cache"].cache
+        gcache = kept_cache(model)
         gf = gcache.graphed
         graphs = {"captured": len(gf.graphs), "replays": gf.replays, "eager_forwards": gf.eager_forwards,
                   "failed": gf.failed, "kv_capacity": gcache.kv_capacity,

@@ -14,12 +14,12 @@ buffers, so its padding and bucketing behave identically everywhere.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 
 from .. import NULL_SLOT, StatePool
+from ..capture import CaptureError, GraphCapture
 
 from .step import spec_decode_step
 
@@ -27,30 +27,6 @@ __all__ = ["SpecDecodeGraphRunner", "CaptureError", "DEFAULT_BUCKETS"]
 
 #: Batch-size buckets captured by default (capped by the pool's slot count).
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-class CaptureError(RuntimeError):
-    """The step cannot be held by a CUDA graph: it synchronised with the host, ran an operation
-    capture forbids, or allocated memory outside the graph pool while being captured."""
-
-
-def _active_blocks_outside(pool_id) -> dict[int, int]:
-    """``{address: size}`` of allocated blocks of the caching allocator not in ``pool_id``."""
-    blocks = {}
-    for seg in torch.cuda.memory._snapshot()["segments"]:
-        if tuple(seg.get("segment_pool_id", (0, 0))) == tuple(pool_id):
-            continue
-        for blk in seg["blocks"]:
-            if blk["state"] == "active_allocated":
-                blocks[blk["address"]] = blk["size"]
-    return blocks
-
-
-def _set_sync_debug_mode(mode) -> None:
-    """``torch.cuda.set_sync_debug_mode`` without its "prototype feature" warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode(mode)
 
 
 class SpecDecodeGraphRunner:
@@ -128,7 +104,7 @@ class SpecDecodeGraphRunner:
         self.num_accepted_tokens = torch.zeros(bmax, **i32)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, record parity)
         self._vocab_checked = False
-        self.mempool = None
+        self._capture = GraphCapture(dev, "SpecDecodeGraphRunner") if self.capture_graphs else None
 
     # ------------------------------------------------------------------ the step body
     def _body(self, B: int) -> None:
@@ -183,15 +159,9 @@ class SpecDecodeGraphRunner:
         parity = self.pool.record_parity  # warm-ups and captures swap a folded pool's records
         self._check_vocab()
         self._pad()
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for B in self.buckets:
-                for _ in range(warmup):
-                    self._body(B)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for B in self.buckets:
+            self._capture.warmup(lambda B=B: self._body(B), warmup, what=f"bucket {B}")
         torch.cuda.synchronize(self.device)
-        self.mempool = torch.cuda.graph_pool_handle()
         for B in reversed(self.buckets):
             for p in self._parities():
                 if self.pool.double_buffered:
@@ -219,29 +189,7 @@ class SpecDecodeGraphRunner:
             self.pool.swap_records()
 
     def _capture_one(self, B: int) -> torch.cuda.CUDAGraph:
-        graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            graph.register_generator_state(self.generator)
-        mode = torch.cuda.get_sync_debug_mode()
-        try:
-            with torch.cuda.graph(graph, pool=self.mempool):
-                # The allocator state is read inside the capture, around the body alone: entering
-                # the capture may itself allocate outside the pool once per process (the graph-safe
-                # RNG's seed and offset tensors), which is not the step's doing.
-                before = _active_blocks_outside(self.mempool)
-                _set_sync_debug_mode("error")  # a host sync raises instead of warning
-                try:
-                    self._body(B)
-                finally:
-                    _set_sync_debug_mode(mode)
-                after = _active_blocks_outside(self.mempool)
-        except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
-            raise CaptureError(f"SpecDecodeGraphRunner: capturing bucket {B}: the step synchronised with the host "
-                               f"or ran an operation CUDA graphs cannot hold: {exc}") from exc
-        new = {a: s for a, s in after.items() if a not in before}
-        if new:
-            raise CaptureError(f"SpecDecodeGraphRunner: capturing bucket {B}: the step allocated {len(new)} "
-                               f"block(s), {sum(new.values())} bytes, outside the graph memory pool")
+        graph, _ = self._capture.capture(lambda: self._body(B), what=f"bucket {B}", generator=self.generator)
         return graph
 
     @torch.no_grad()

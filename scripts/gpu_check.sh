@@ -19,7 +19,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ssm_spec_gpu}
 mkdir -p "$OUT" "$OUT/tune" "$OUT/ncu"
 OUT=$(cd "$OUT" && pwd)  # absolute: some parts write from other directories
-export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_F32_DEFAULT=ieee PYTHONUNBUFFERED=1
+# the checkout installed as the package (editable, no dependencies: the machine has them), so that
+# ssm_spec.graphs maps to graphs/ as pyproject.toml says, wherever a script or test runs from
+python3 -m pip show ssm-spec >/dev/null 2>&1 \
+  || python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null || { echo "installing the checkout failed"; exit 2; }
 PARTS=${*:-tests bench}
 # carried wheels (fla-core for the chunked prefill): prepare them here with
 #   pip download --no-deps -d .whl "fla-core>=0.6" einops     (pure-Python wheels)
@@ -27,7 +31,7 @@ PARTS=${*:-tests bench}
 if ls .whl/*.whl >/dev/null 2>&1; then
   # two parts started at once share one install (a second --upgrade would rewrite it under the first)
   [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
-  [ -f /tmp/site/.installed ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  [ -f /tmp/site/.installed ] && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 fi
 # another transformers release (the machine has 5.17): TF_WHEELS=.whl525 names a folder of carried
 # wheels (transformers==5.25.0, huggingface_hub>=2.4 and what they need; name it in carry too),
@@ -35,7 +39,7 @@ fi
 # (USE_HUB_KERNELS=0 tells transformers not to use it)
 if [ -n "${TF_WHEELS:-}" ]; then
   [ -f /tmp/site-tf/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-tf "$TF_WHEELS"/*.whl && touch /tmp/site-tf/.installed; }
-  export PYTHONPATH="/tmp/site-tf:$PYTHONPATH" USE_HUB_KERNELS=0
+  export PYTHONPATH="/tmp/site-tf${PYTHONPATH:+:$PYTHONPATH}" USE_HUB_KERNELS=0
 fi
 # Triton autotuning results: fla-core tunes each of its kernels on first use (every config
 # compiled and timed: one to two minutes per process on a fresh machine, seen on the H200).

@@ -5,7 +5,7 @@ per token; commit, once the accepted count is known, replays only the accepted t
 writes the state once. See docs/design.md for the design.
 """
 
-from . import _source_tree, ops, reference
+from . import ops, reference
 from .metadata import RecoverSSMMetadata
 from .modules import RecoverGatedDeltaNet, RecoverShortConv
 from .ops import NULL_SLOT, ReplayRecord
@@ -13,8 +13,6 @@ from .pools import StatePool
 from .step import commit
 
 __version__ = "0.1.0"
-
-_source_tree.install()  # ssm_spec.graphs from an uninstalled checkout (PYTHONPATH=<repo>)
 
 __all__ = [
     "NULL_SLOT",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit, pools
-from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, cache_kwarg, kept_cache, tiny_model
 from ssm_spec.hf.placement import execution_device, layer_devices, placement_problem
 from ssm_spec.hf.rollback import RollbackPool
 from ssm_spec.hf.tiny import ByteTokenizer
@@ -370,7 +370,7 @@ def recorded_guards(monkeypatch):
         return None if args[0].device.type == "meta" else real(name, *args)
 
     monkeypatch.setattr(torch.cuda, "device", Recorder)
-    monkeypatch.setattr(pools, "CURRENT_DEVICE_TYPES", ("cpu", "meta"))
+    monkeypatch.setattr(pools.placement, "CURRENT_DEVICE_TYPES", ("cpu", "meta"))
     monkeypatch.setattr(_eager, "call", recorded)
     return calls, guards
 
@@ -626,7 +626,7 @@ def _greedy(model, ids, n, **kw):
 
 
 def _with(model, cache):
-    return {model._recoverssm["cache_kwarg"]: cache}
+    return {cache_kwarg(model): cache}
 
 
 def _noisy_twin(kind, seed):
@@ -702,7 +702,7 @@ def test_weights_offloaded_to_disk_generate_plain_greedy(tmp_path, kind):
     apply_recoverssm(model, cuda_graphs=True)
     with pytest.warns(RuntimeWarning, match="offloads the weights"):
         out = _greedy(model, ids, 64, prompt_lookup_num_tokens=5)
-    assert torch.equal(out, plain) and model._recoverssm["graph_cache"].cache is None
+    assert torch.equal(out, plain) and kept_cache(model) is None
     graphed = RecoverSSMCache(model, max_cache_len=128).graphed  # a graphed cache passed in: no capture
     with pytest.warns(RuntimeWarning, match="running eagerly"):
         assert graphed._capture(model, ids, None, torch.arange(ids.shape[1])) is None  # refused before CUDA
@@ -856,7 +856,7 @@ def test_split_model_with_cuda_graphs_warns_and_runs_eagerly():
     model = apply_recoverssm(_split("qwen3_next", layers), cuda_graphs=True)
     with pytest.warns(RuntimeWarning, match="cpu, cuda:0"):
         out = _greedy(model, ids, 64, prompt_lookup_num_tokens=5)
-    assert torch.equal(out.cpu(), plain.cpu()) and model._recoverssm["graph_cache"].cache is None
+    assert torch.equal(out.cpu(), plain.cpu()) and kept_cache(model) is None
 
 
 @pytest.mark.gpu

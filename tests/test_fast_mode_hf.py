@@ -5,7 +5,7 @@ section 2.6: the closed-form verify moves logits by rounding, so only a near-tie
 import pytest
 import torch
 
-from ssm_spec.hf import apply_recoverssm, tiny_model
+from ssm_spec.hf import apply_recoverssm, recoverssm_config, tiny_model
 from ssm_spec.hf.tiny import ByteTokenizer
 from tests.helpers import first_divergence
 
@@ -38,6 +38,6 @@ def test_mode_switch_validation():
     with pytest.raises(ValueError, match="mode"):
         apply_recoverssm(model, mode="quick")
     apply_recoverssm(model, mode="fast")
-    assert model._recoverssm["mode"] == "fast"
+    assert recoverssm_config(model).mode == "fast"
     apply_recoverssm(model, mode="exact")
-    assert model._recoverssm["mode"] == "exact"
+    assert recoverssm_config(model).mode == "exact"

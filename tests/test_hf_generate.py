@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, cache_kwarg, tiny_model
 from ssm_spec.hf.tiny import ByteTokenizer
 
 KINDS = ["qwen3_next", "qwen3_5"]
@@ -28,7 +28,7 @@ def _pair(kind, seed, device):
 
 def _with(model, cache):
     """Pass ``cache`` under the name this transformers version uses (``cache`` from 5.2x on)."""
-    return {model._recoverssm["cache_kwarg"]: cache}
+    return {cache_kwarg(model): cache}
 
 
 def _greedy(model, ids, n, **kw):

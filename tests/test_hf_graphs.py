@@ -9,7 +9,7 @@ bit for bit.
 import pytest
 import torch
 
-from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, cache_kwarg, kept_cache, tiny_model
 from ssm_spec.hf.static_kv import StaticAttentionLayer
 from ssm_spec.hf.tiny import ByteTokenizer
 
@@ -27,7 +27,7 @@ def _greedy(model, ids, n, **kw):
 
 
 def _kept(model) -> RecoverSSMCache:
-    return model._recoverssm["graph_cache"].cache
+    return kept_cache(model)
 
 
 def _new_tokens(device):
@@ -95,7 +95,7 @@ def test_graph_cache_is_kept_and_reset_between_calls(device):
     assert _kept(model) is not cache and _kept(model).kv_capacity > cache.kv_capacity
     assert torch.equal(longer[:, : first.shape[1]], first)
     twin = copy.deepcopy(model)
-    assert twin._recoverssm["graph_cache"].cache is None
+    assert kept_cache(twin) is None
     assert torch.equal(_greedy(twin, ids, 24, prompt_lookup_num_tokens=3), first)
 
 
@@ -116,7 +116,7 @@ def test_padded_batch_uses_the_plain_cache(device):
 def test_static_layer_bookkeeping_and_refusals(device):
     """Capacity and padding are refused before anything changes; crops only lower lengths."""
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0).to(device))
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     ids = _ids(device)
     P = ids.shape[1]
     cache = RecoverSSMCache(model, max_pending=4, max_cache_len=P + 3)
@@ -156,7 +156,7 @@ def test_unsupported_attention_implementation_is_refused():
 def test_output_hidden_states_runs_eagerly(device):
     """A forward asking for more than logits runs the graphed body eagerly (never captured)."""
     model = apply_recoverssm(tiny_model("qwen3_next", seed=5).to(device))
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     ids = _ids(device)
     cache = RecoverSSMCache(model, max_pending=3, max_cache_len=128)
     ref = RecoverSSMCache(model, max_pending=3)
@@ -192,23 +192,35 @@ def test_replay_equals_eager_body_bitwise(dtype):
 
 
 def test_body_rerun_keeps_the_plan(device):
-    """Capture runs the forward's body twice (a warm-up, then the capture) after one host-side
-    plan: a rerun of the body must neither begin another plan nor change what it computes."""
+    """Capture runs the forward's body twice (a warm-up, then the capture) inside one open
+    forward with one host-side plan: the second run must neither begin another plan nor change
+    what it computes (state counts, attention lengths and logits as with one run)."""
     model = apply_recoverssm(tiny_model("qwen3_next", seed=7).to(device))
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     ids = _ids(device)
-    cache = RecoverSSMCache(model, max_pending=4, max_cache_len=128)
-    graphed = cache.graphed
-    graphed.capture = False
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=True, **{key: cache})
-        out = model(input_ids=ids[:, -3:], use_cache=True, **{key: cache})
+    results = []
+    for twice in (False, True):
+        cache = RecoverSSMCache(model, max_pending=4, max_cache_len=128)
+        graphed = cache.graphed
+        graphed.capture = False
+        if twice:
+            body = graphed._body
+
+            def run_twice(*args, **kwargs):
+                first = body(*args, **kwargs)
+                second = body(*args, **kwargs)
+                assert torch.equal(first.logits, second.logits)
+                return second
+
+            graphed._body = run_twice
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{key: cache})
+            out = model(input_ids=ids[:, -3:], use_cache=True, **{key: cache})
         rb = cache.rollback
-        state = (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed.static_layers])
-        P = ids.shape[1]
-        again = graphed._body(model, ids[:, -3:], None, graphed._positions(P, 3, ids.device))
-    assert (rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed.static_layers]) == state
-    assert torch.equal(again.logits, out.logits)
+        results.append(((rb.seen, rb.pending, cache._forwards, [layer.length for layer in graphed.static_layers]),
+                        out.logits))
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def _graphed_and_ref(kind="qwen3_next", seed=8, device="cpu", **kw):
@@ -269,7 +281,7 @@ def test_forward_arguments_are_honoured(device):
     position_ids and a tensor logits_to_keep act as on the plain cache; use_cache=False leaves
     the cache alone; the base model refuses a graphed cache before anything changes."""
     model, _ = _graphed_and_ref(device=device)
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     ids = _ids(device)
     P = ids.shape[1]
     cache = RecoverSSMCache(model, max_pending=4, max_cache_len=128)
@@ -328,7 +340,8 @@ def test_explicit_generation_config(device):
     pad = TOK.pad_token_id
     padded = torch.cat([torch.full((1, 2), pad, device=device), ids], 1)
     gc = GenerationConfig(max_new_tokens=12, do_sample=False, use_cache=True)
-    model._recoverssm["graph_cache"].cache = None
+    apply_recoverssm(model, cuda_graphs=False)
+    apply_recoverssm(model, cuda_graphs=True)  # drops the kept cache
     out = model.generate(padded, generation_config=gc)  # the pad id is the model's: a plain cache
     assert _kept(model) is None
     assert torch.equal(out, plain_model.generate(padded, generation_config=gc))
@@ -336,7 +349,7 @@ def test_explicit_generation_config(device):
 
 def test_passed_graphed_cache_too_small_is_refused_up_front(device):
     model, _ = _graphed_and_ref(device=device)
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     ids = _ids(device)
     cache = RecoverSSMCache(model, max_pending=4, max_cache_len=ids.shape[1] + 20)
     with pytest.raises(ValueError, match="max_cache_len"):

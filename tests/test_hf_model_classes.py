@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ssm_spec.hf import apply_recoverssm  # noqa: E402
+from ssm_spec.hf import apply_recoverssm, kept_cache  # noqa: E402
 from ssm_spec.hf.tiny import KINDS, tiny_model  # noqa: E402
 from tests.helpers import first_divergence  # noqa: E402
 from tests.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
@@ -115,7 +115,7 @@ def test_cuda_graphs_switch_experts_to_batched_mm_and_back(kind):
     apply_recoverssm(converted, cuda_graphs=False)
     assert converted.get_experts_implementation() == own
     dense = apply_recoverssm(tiny_model("qwen3_5"), cuda_graphs=True)  # no expert layer: untouched
-    assert "experts_implementation" not in dense._recoverssm
+    assert dense.get_experts_implementation() == tiny_model("qwen3_5").get_experts_implementation()
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -164,13 +164,13 @@ def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
             warnings.simplefilter("error", RuntimeWarning)
             # keeps a cache sized for the calls below (a longer call would keep a new one, capture on)
             model.generate(prompt, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3)
-            graphed = model._recoverssm["graph_cache"].cache.graphed
+            graphed = kept_cache(model).graphed
             graphed.capture = capture
             before = graphed.replays
             out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, prompt_lookup_num_tokens=3,
                                  output_logits=True, return_dict_in_generate=True)
             assert torch.equal(out.sequences, want), (kind, capture)
-            assert model._recoverssm["graph_cache"].cache.graphed is graphed
+            assert kept_cache(model).graphed is graphed
             assert graphed.failed is None and (graphed.replays > before) == capture
             logits.append(torch.cat(out.logits))
             if capture:

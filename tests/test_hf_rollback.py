@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, tiny_model
+from ssm_spec.hf import RecoverSSMCache, apply_recoverssm, cache_kwarg, tiny_model
 from tests.helpers import FLA_PREFILL_TOL, prefill_uses_fla, rel_err
 
 
@@ -27,7 +27,7 @@ def _states(cache):
 
 def _feed(model, cache, tokens, splits):
     """Forward ``tokens [1, N]`` in chunks of ``splits`` tokens; return the last logits."""
-    key = model._recoverssm["cache_kwarg"]
+    key = cache_kwarg(model)
     at, logits = 0, None
     with torch.no_grad():
         for n in splits:

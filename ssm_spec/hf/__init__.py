@@ -7,8 +7,9 @@ linear-attention layers roll back exactly (docs/design.md section 7). Needs the 
 """
 
 from .adapter import RecoverGDNAdapter
-from .apply import apply_recoverssm, is_converted
+from .apply import apply_recoverssm, cache_kwarg, is_converted
 from .cache import AcceptanceStats, RecoverLinearAttentionLayer, RecoverSSMCache
+from .config import RecoverSSMConfig, acceptance_stats, kept_cache, recoverssm_config
 from .rollback import RollbackPool
 from .tiny import ByteTokenizer, tiny_config, tiny_model
 
@@ -18,9 +19,14 @@ __all__ = [
     "RecoverGDNAdapter",
     "RecoverLinearAttentionLayer",
     "RecoverSSMCache",
+    "RecoverSSMConfig",
     "RollbackPool",
+    "acceptance_stats",
     "apply_recoverssm",
+    "cache_kwarg",
     "is_converted",
+    "kept_cache",
+    "recoverssm_config",
     "tiny_config",
     "tiny_model",
 ]

@@ -14,6 +14,7 @@ from torch import nn
 
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
+from .config import KeptCache, RecoverSSMConfig, RecoverSSMRuntime
 from .graphed import SUPPORTED_ATTENTION
 from .placement import carry_hook, placement_problem
 
@@ -35,7 +36,7 @@ def has_unconverted_gdn(model: nn.Module) -> bool:
 
 def is_converted(model: nn.Module) -> bool:
     """Whether :func:`apply_recoverssm` has converted ``model``."""
-    return getattr(model, "_recoverssm", None) is not None
+    return isinstance(getattr(model, "_recoverssm", None), RecoverSSMRuntime)
 
 
 def cache_kwarg(model) -> str:
@@ -137,12 +138,12 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
     """
-    from ..pools import MODES
-
-    if mode not in (None, *MODES):
-        raise ValueError(f"apply_recoverssm: mode: got {mode!r}; expected one of {MODES}")
-    if state_dtype not in (None, torch.float32, torch.bfloat16):
-        raise ValueError(f"apply_recoverssm: state_dtype: got {state_dtype}; expected torch.float32 or torch.bfloat16")
+    base = model._recoverssm.config if is_converted(model) else RecoverSSMConfig()
+    try:
+        config = base.replace(state_dtype=state_dtype, mode=mode,
+                              cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs))
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("RecoverSSMConfig:", "apply_recoverssm:", 1)) from None
     if cuda_graphs:
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         if impl not in SUPPORTED_ATTENTION:
@@ -152,15 +153,11 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if tp_group is not None:
             raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
                              "head); shard on the first conversion: apply_recoverssm(unconverted_model, tp_group=...)")
-        if state_dtype is not None:
-            model._recoverssm["state_dtype"] = state_dtype
-        if mode is not None:
-            model._recoverssm["mode"] = mode
+        model._recoverssm.config = config
         if cuda_graphs is not None:
-            model._recoverssm["cuda_graphs"] = bool(cuda_graphs)
-            capture_safe_experts(model, bool(cuda_graphs))
-            if not cuda_graphs:
-                model._recoverssm.setdefault("graph_cache", _KeptCache()).cache = None
+            capture_safe_experts(model, config.cuda_graphs)
+            if not config.cuda_graphs:
+                model._recoverssm.kept.cache = None
         return model
     found = [(parent, parent.linear_attn) for parent in model.modules()
              if isinstance(getattr(parent, "linear_attn", None), nn.Module) and _is_hf_gdn(parent.linear_attn)]
@@ -174,14 +171,48 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = {"state_dtype": state_dtype or torch.float32, "mode": mode or "exact",
-                         "cache_kwarg": cache_kwarg(model),
-                         "cuda_graphs": bool(cuda_graphs), "graph_cache": _KeptCache()}
-    capture_safe_experts(model, bool(cuda_graphs))
-    model._is_stateful = False  # transformers' guard: our cache rolls the recurrent state back
+    model._recoverssm = RecoverSSMRuntime(config, cache_kwarg(model))
+    capture_safe_experts(model, config.cuda_graphs)
+    model._is_stateful = False  # transformers' guard up to 5.24: our cache rolls the recurrent state back
     _bind(model, "generate", _generate)
     _bind(model, "forward", _forward)
+    for decoder in _decoders(model):
+        _bind(decoder, "forward", _decoder_forward)
     return model
+
+
+def _decoders(model: nn.Module) -> list[nn.Module]:
+    """The text decoders of ``model`` (a ``Qwen3NextModel`` / ``Qwen3_5TextModel``: the modules
+    whose ``layers`` hold converted GDN layers), outermost first."""
+    return [m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+            and any(isinstance(getattr(layer, "linear_attn", None), RecoverGDNAdapter) for layer in m.layers)]
+
+
+def _decoder_forward(self, *args, **kwargs):
+    """``forward`` of a converted model's text decoder: opens the forward on a
+    :class:`RecoverSSMCache` it is given (``begin_forward``, with the rows and tokens of its
+    ``input_ids`` / ``inputs_embeds``) unless the caller opened it already (the converted
+    model's graphed path), runs the decoder, and closes what it opened."""
+    original = type(self).forward
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if args or not isinstance(cache, RecoverSSMCache):
+        named = inspect.signature(original).bind_partial(self, *args, **kwargs).arguments
+        named = {**named, **named.get("kwargs", {})}
+        cache = named.get("cache", named.get("past_key_values"))
+    else:
+        named = kwargs
+    if not isinstance(cache, RecoverSSMCache) or cache.forward_open:
+        return original(self, *args, **kwargs)
+    if cache.graphed is not None:
+        raise ValueError("RecoverSSMCache: a cache with max_cache_len serves the converted model's own forward "
+                         "(its graphed path); do not pass it to the base model or a decoder layer directly")
+    tokens = named.get("input_ids")
+    tokens = named.get("inputs_embeds") if tokens is None else tokens
+    cache.begin_forward(*tokens.shape[:2])
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        cache.end_forward()
 
 
 #: The expert implementation ``cuda_graphs=True`` selects: transformers' ``batched_mm`` gathers
@@ -198,17 +229,18 @@ def capture_safe_experts(model: nn.Module, on: bool) -> None:
 
     Uses transformers' experts-implementation switch (``set_experts_implementation``, present
     in 5.17 and later); models without expert layers, or a transformers without the switch,
-    are left as they are. The original setting is kept in ``model._recoverssm``.
+    are left as they are. The original setting is kept in the model's runtime state.
     """
     if not hasattr(model, "set_experts_implementation") or not any(
             type(m).__name__.endswith("Experts") for m in model.modules()):
         return
-    state = model._recoverssm
-    if on and "experts_implementation" not in state:
-        state["experts_implementation"] = model.get_experts_implementation()
+    runtime = model._recoverssm
+    if on and runtime.experts_implementation is None:
+        runtime.experts_implementation = model.get_experts_implementation()
         model.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
-    elif not on and "experts_implementation" in state:
-        model.set_experts_implementation(state.pop("experts_implementation"))
+    elif not on and runtime.experts_implementation is not None:
+        model.set_experts_implementation(runtime.experts_implementation)
+        runtime.experts_implementation = None
 
 
 #: ``generate`` inputs of the vision-language classes (``Qwen3_5[Moe]ForConditionalGeneration``) that a
@@ -240,12 +272,14 @@ def _generate(self, *args, **kwargs):
                          "or 'disk'): transformers' assisted loop moves every drafted token there. Keep "
                          "model.embed_tokens on an execution device (not offloaded), or generate without drafts")
     R = max(1, k + 1)
-    key = self._recoverssm["cache_kwarg"]
+    runtime = self._recoverssm
+    config = runtime.config
+    key = runtime.cache_kwarg
     cache = kwargs.get(key, kwargs.get("past_key_values", kwargs.get("cache")))
     if cache is None and not _setting(self, gen_config, named, "use_cache", True):
         return original(self, *args, **kwargs)  # every step re-feeds the sequence: no state to keep
     if cache is None:
-        graphs = self._recoverssm.get("cuda_graphs") and not _is_assistant_call(gen_config, named)
+        graphs = config.cuda_graphs and not _is_assistant_call(gen_config, named)
         if graphs:
             problem = placement_problem(self)
             if problem is not None:
@@ -255,8 +289,7 @@ def _generate(self, *args, **kwargs):
                 graphs = False
         cache = _graph_cache(self, named, gen_config, R) if graphs else None
         if cache is None:
-            cache = RecoverSSMCache(self, max_pending=R, state_dtype=self._recoverssm["state_dtype"],
-                                    mode=self._recoverssm.get("mode", "exact"))
+            cache = RecoverSSMCache(self, max_pending=R, state_dtype=config.state_dtype, mode=config.mode)
         kwargs[key] = cache
     elif isinstance(cache, RecoverSSMCache):
         cache.max_pending = max(cache.max_pending, R)
@@ -276,6 +309,7 @@ def _generate(self, *args, **kwargs):
         # transformers refuses assisted generation on larger batches, and the cache stays as it is)
         cache.reset(keep_stats=True)
     cache.begin_generate(None if prompt is None else prompt.shape[-1] - cache.get_seq_length())
+    runtime.last_stats = cache.stats
     return original(self, *args, **kwargs)
 
 
@@ -316,18 +350,6 @@ def _is_assistant_call(generation_config, named) -> bool:
     return bool(getattr(generation_config, "is_assistant", False) if flag is None else flag)
 
 
-class _KeptCache:
-    """Holds a model's graphed cache between ``generate`` calls; a copy of the model (deepcopy)
-    starts without one (CUDA graphs cannot be copied, and they point at the original's buffers)."""
-
-    def __init__(self):
-        self.cache = None
-        self.made_for = None
-
-    def __deepcopy__(self, memo):
-        return _KeptCache()
-
-
 GRAPH_CACHE_ROUND = 256  # a graphed cache's max_cache_len is rounded up to this many tokens (reuse across calls)
 
 
@@ -345,12 +367,12 @@ def _graph_cache(model, named, gen_config, R):
     if mask is None and pad is not None and bool((prompt == pad).any()):
         return None  # generate infers a padding mask from pad_token_id
     need = _tokens_needed(model, named, gen_config, R)
-    state_dtype = model._recoverssm["state_dtype"]
+    config = model._recoverssm.config
     weight = model.get_input_embeddings().weight
     # graphs hold parameter addresses and the buffers' dtype, device and inference-ness
-    made_for = (state_dtype, model._recoverssm.get("mode", "exact"), weight.dtype, weight.device, torch.is_inference_mode_enabled(),
+    made_for = (config.state_dtype, config.mode, weight.dtype, weight.device, torch.is_inference_mode_enabled(),
                 tuple(p.data_ptr() for p in model.parameters()))
-    kept = model._recoverssm.setdefault("graph_cache", _KeptCache())
+    kept = model._recoverssm.kept
     cache = kept.cache
     if cache is not None and cache.kv_capacity >= need and kept.made_for == made_for:
         cache.reset()
@@ -359,8 +381,8 @@ def _graph_cache(model, named, gen_config, R):
             cache.rollback.max_pending = R
         return cache
     length = -(-need // GRAPH_CACHE_ROUND) * GRAPH_CACHE_ROUND
-    kept.cache = cache = RecoverSSMCache(model, max_pending=R, state_dtype=state_dtype, max_cache_len=length,
-                                         mode=model._recoverssm.get("mode", "exact"))
+    kept.cache = cache = RecoverSSMCache(model, max_pending=R, state_dtype=config.state_dtype, max_cache_len=length,
+                                         mode=config.mode)
     kept.made_for = made_for
     return cache
 
@@ -368,7 +390,7 @@ def _graph_cache(model, named, gen_config, R):
 def _forward(self, *args, **kwargs):
     """``forward`` of a converted model: a RecoverSSMCache when a cache is wanted and none given;
     a cache with ``max_cache_len`` runs the forward through its graphed path."""
-    key = self._recoverssm["cache_kwarg"]
+    key = self._recoverssm.cache_kwarg
     cache = kwargs.get(key, kwargs.get("past_key_values"))
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
@@ -382,8 +404,8 @@ def _forward(self, *args, **kwargs):
             kwargs.pop("self", None)
         return cache.graphed(self, kwargs)
     if use_cache and kwargs.get(key) is None and kwargs.get("past_key_values") is None:
-        kwargs[key] = RecoverSSMCache(self, state_dtype=self._recoverssm["state_dtype"],
-                                      mode=self._recoverssm.get("mode", "exact"))
+        config = self._recoverssm.config
+        kwargs[key] = RecoverSSMCache(self, state_dtype=config.state_dtype, mode=config.mode)
     return type(self).forward(self, *args, **kwargs)
 
 

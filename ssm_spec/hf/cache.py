@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionLayer
 
 from .adapter import RecoverGDNAdapter
+from .config import check_mode, check_state_dtype
 from .placement import layer_devices
 from .rollback import RollbackPool
 from .static_kv import StaticAttentionLayer
@@ -158,15 +159,10 @@ class RecoverSSMCache(DynamicCache):
                  max_cache_len: int | None = None, mode: str = "exact"):
         from .graphed import GraphedForward
 
-        from ..pools import MODES
-
-        if mode not in MODES:
-            raise ValueError(f"RecoverSSMCache: mode: got {mode!r}; expected one of {MODES}")
+        check_mode("RecoverSSMCache", mode)
+        check_state_dtype("RecoverSSMCache", state_dtype)
         if int(max_pending) < 1:
             raise ValueError(f"RecoverSSMCache: max_pending: got {max_pending}; expected >= 1")
-        if state_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"RecoverSSMCache: state_dtype: got {state_dtype}; expected torch.float32 or "
-                             "torch.bfloat16")
         config = model.config.get_text_config(decoder=True)
         super().__init__(config=config)
         self.adapters = [m for m in model.modules() if isinstance(m, RecoverGDNAdapter)]
@@ -186,14 +182,14 @@ class RecoverSSMCache(DynamicCache):
                 if i not in linear:
                     self.layers[i] = StaticAttentionLayer(self.kv_capacity)
         self.graphed = GraphedForward(self) if self.kv_capacity is not None else None
-        self._in_graphed_body = False  # set by GraphedForward while the model runs
         self.max_pending = int(max_pending)
         self.state_dtype = state_dtype
         self.mode = mode
         self.rollback: RollbackPool | None = None
         self.stats = AcceptanceStats()
         self.prompt_len: int | None = None
-        self._last_layer = None  # the converted layer index seen last in the current forward
+        self._open: tuple[int, int] | None = None  # (rows, tokens) of the forward in progress
+        self._planned = False  # whether the open forward's rollback plan is made
         self._forwards = 0  # forwards since the current generate call began (or since creation)
         self._last_forward_len = 0
         self._since_crop = 0
@@ -206,17 +202,59 @@ class RecoverSSMCache(DynamicCache):
         self._forwards = 0
 
     # ------------------------------------------------------------------ forwards
+    @property
+    def forward_open(self) -> bool:
+        """Whether a forward of the model is in progress on this cache (:meth:`begin_forward`)."""
+        return self._open is not None
+
+    def begin_forward(self, batch_size: int, num_tokens: int, dtype: torch.dtype | None = None,
+                      device=None) -> None:
+        """A forward of ``num_tokens`` tokens for each of ``batch_size`` rows begins: called by the
+        forward that owns the cache (the converted model's decoder, or its graphed path) before
+        any layer runs, and closed by :meth:`end_forward`. With ``dtype`` and ``device`` (the
+        hidden states') the rollback plan is made now; otherwise at the first converted layer,
+        from its hidden states (a model spread over devices learns there where they are).
+
+        Raises:
+            ValueError: a forward is already open on this cache; a batch size other than the
+                sequence's (mid-sequence).
+        """
+        if self._open is not None:
+            raise ValueError("RecoverSSMCache.begin_forward: a forward is already open on this cache")
+        self._open, self._planned = (int(batch_size), int(num_tokens)), False
+        if dtype is not None and device is not None:
+            try:
+                self._plan_forward(dtype, device)
+            except ValueError:
+                self._open = None
+                raise
+
+    def end_forward(self) -> None:
+        """The forward begun by :meth:`begin_forward` has ended (a no-op when none is open)."""
+        self._open, self._planned = None, False
+
     def linear_forward(self, adapter, hidden: torch.Tensor) -> torch.Tensor:
-        """Run a converted layer over ``hidden [B, L, D]`` (a new forward begins at the first
-        converted layer, or when a layer index repeats)."""
-        B, L = hidden.shape[:2]
-        if self.graphed is not None and not self._in_graphed_body:
-            raise ValueError("RecoverSSMCache: a cache with max_cache_len serves the converted model's own forward "
-                             "(its graphed path); do not pass it to the base model or a decoder layer directly")
-        if self._last_layer is None or adapter.layer_idx <= self._last_layer:
-            self._begin_forward(B, L, hidden.dtype, hidden.device)
-        self._last_layer = adapter.layer_idx
+        """Run a converted layer over ``hidden [B, L, D]`` within the open forward.
+
+        Raises:
+            ValueError: no forward is open (a converted layer called outside its model's
+                forward); hidden states of another shape than the forward announced.
+        """
+        if self._open is None:
+            raise ValueError("RecoverSSMCache: a converted layer ran outside a forward of its model; call the "
+                             "converted model (or its decoder, model.model), which opens the forward on the cache, "
+                             "or bracket the call with cache.begin_forward(batch, tokens) / cache.end_forward()")
+        if tuple(hidden.shape[:2]) != self._open:
+            raise ValueError(f"RecoverSSMCache: a converted layer got hidden states {tuple(hidden.shape[:2])} in a "
+                             f"forward of {self._open} (rows, tokens)")
+        if not self._planned:
+            self._plan_forward(hidden.dtype, hidden.device)
         return self.rollback.run(adapter, hidden)
+
+    def _plan_forward(self, dtype, device) -> None:
+        B, L = self._open
+        self._begin_forward(B, L, dtype, device)
+        self._planned = True
 
     def _begin_forward(self, B, L, dtype, device):
         """Plan a forward of ``L`` tokens for each of ``B`` rows on the rollback pool (made here
@@ -259,7 +297,6 @@ class RecoverSSMCache(DynamicCache):
         elif remove:
             raise ValueError(f"crop: cannot remove {remove} tokens from an empty cache")
         self._since_crop = 0
-        self._last_layer = None
         for layer in self.layers:
             if not isinstance(layer, RecoverLinearAttentionLayer):
                 layer.crop(-remove)
@@ -278,7 +315,6 @@ class RecoverSSMCache(DynamicCache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         if self.rollback is not None:
             self.rollback.reorder(beam_idx)
-        self._last_layer = None
         super().reorder_cache(beam_idx)
 
     def reset(self, keep_stats: bool = False):
@@ -292,7 +328,7 @@ class RecoverSSMCache(DynamicCache):
         if not keep_stats:
             self.stats = AcceptanceStats()
         self.prompt_len = None
-        self._last_layer = None
+        self._open, self._planned = None, False
         self._forwards = self._since_crop = 0
         super().reset()
         for layer in self.layers:  # attention layers: drop the tokens, not only zero them

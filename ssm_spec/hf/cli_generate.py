@@ -516,13 +516,14 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
     """
     from transformers import StoppingCriteriaList
 
-    from .apply import cache_kwarg
+    from .apply import cache_kwarg, is_converted
     from .cache import RecoverSSMCache
+    from .config import kept_cache, recoverssm_config
 
     kw = _gen_kwargs(args, model)
     kw.update(speculative or {})
     mask = torch.ones_like(input_ids)
-    graphed = getattr(model, "_recoverssm", {}).get("cuda_graphs", False)
+    graphed = is_converted(model) and recoverssm_config(model).cuda_graphs
     with torch.inference_mode():
         if args.warmup:
             if args.do_sample:
@@ -554,7 +555,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
             cpu_s += time.process_time() - cpu0
     stats = None
     if speculative is not None:
-        stats = model._recoverssm["graph_cache"].cache.stats if graphed else extra[cache_kwarg(model)].stats
+        stats = kept_cache(model).stats if graphed else extra[cache_kwarg(model)].stats
     return RunResult(out[0, input_ids.shape[1]:].cpu(), statistics.median(times), stats, tuple(times), cpu_s,
                      sum(times))
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..capture import CaptureError, GraphCapture
 from .placement import placement_problem
 from .static_kv import StaticAttentionLayer
 
@@ -89,7 +90,7 @@ class GraphedForward:
         self.static_layers = [layer for layer in cache.layers if isinstance(layer, StaticAttentionLayer)]
         self.capture = True
         self.graphs: dict = {}
-        self.mempool = None
+        self._capturer: GraphCapture | None = None
         self.failed: str | None = None
         self.replays = 0
         self.eager_forwards = 0
@@ -163,17 +164,17 @@ class GraphedForward:
         plain = all(k in _NEUTRAL and v in _NEUTRAL[k] for k, v in extra.items())
         keep = kwargs.get("logits_to_keep")
         keep = 0 if keep is None else keep
-        cache._begin_forward(B, L, model.get_input_embeddings().weight.dtype, input_ids.device)
-        rb = cache.rollback
-        if self._owner is None or self._owner[0] is not rb or self._owner[1] is not rb.pool:
-            self._drop_graphs()  # captured on buffers that are gone
-            self._owner = (rb, rb.pool)
-        plan = rb.plan
-        kv_positions = self._positions(seen, L, input_ids.device)
-        capturable = plain and plan.prefill is None and L <= MAX_CAPTURE_TOKENS
-        self.capturable_forwards += capturable
+        cache.begin_forward(B, L, model.get_input_embeddings().weight.dtype, input_ids.device)
         out = None
         try:
+            rb = cache.rollback
+            if self._owner is None or self._owner[0] is not rb or self._owner[1] is not rb.pool:
+                self._drop_graphs()  # captured on buffers that are gone
+                self._owner = (rb, rb.pool)
+            plan = rb.plan
+            kv_positions = self._positions(seen, L, input_ids.device)
+            capturable = plain and plan.prefill is None and L <= MAX_CAPTURE_TOKENS
+            self.capturable_forwards += capturable
             if capturable and self.capture and input_ids.is_cuda and self.failed is None:
                 logits = self._replay(model, input_ids, position_ids, kv_positions, plan)
                 if logits is not None:
@@ -184,6 +185,7 @@ class GraphedForward:
                 self.eager_forwards += 1
                 out = self._body(model, input_ids, position_ids, kv_positions, extra, keep)
         finally:  # the plan is begun: the attention layers hold these tokens too, as the GDN ones do
+            cache.end_forward()
             for layer in self.static_layers:
                 layer.length = seen + L
         return out.to_tuple() if kwargs.get("return_dict") is False else out
@@ -193,7 +195,8 @@ class GraphedForward:
         """Forget the captured graphs and their memory pool (a pool whose graphs are all gone is
         freed by the allocator; capturing into its old handle again trips an internal assert)."""
         self.graphs.clear()
-        self.mempool = None
+        if self._capturer is not None:
+            self._capturer.reset()
 
     def _fit_batch(self, B: int) -> None:
         """At the start of a sequence, re-size static buffers held for another batch size (beam
@@ -215,20 +218,17 @@ class GraphedForward:
 
     def _body(self, model, input_ids, position_ids, kv_positions, extra=None, logits_to_keep=0):
         """The model on explicit positions and mask (``position_ids=None``: the cache rows)."""
-        cache = self.cache
-        cache._last_layer = -1  # the plan is begun (by __call__): the converted layers must not begin another
-        cache._in_graphed_body = True
+        cache = self.cache  # its forward is open (__call__): the converted layers run in it
         for layer in self.static_layers:
             layer.write_index = kv_positions
         try:
             mask = {"full_attention": self._mask(model, kv_positions), "linear_attention": None}
-            key = model._recoverssm["cache_kwarg"]
+            key = model._recoverssm.cache_kwarg
             pos = kv_positions[None] if position_ids is None else position_ids
             out = type(model).forward(model, input_ids=input_ids, position_ids=pos, attention_mask=mask,
                                       use_cache=True, logits_to_keep=logits_to_keep, return_dict=True,
                                       **{key: cache}, **(extra or {}))
         finally:
-            cache._in_graphed_body = False
             for layer in self.static_layers:
                 layer.write_index = None  # a call that bypasses this forward finds no stale positions
         if self._output_type is None:
@@ -276,37 +276,18 @@ class GraphedForward:
         static_ids = input_ids.clone()
         static_kv = kv_positions.clone()
         static_pos = None if position_ids is None else position_ids.clone()
-        device = input_ids.device
-        mode = torch.cuda.get_sync_debug_mode()
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        try:
-            with torch.cuda.stream(stream):
-                _sync_debug("error")
-                try:
-                    self._body(model, static_ids, static_pos, static_kv)  # a real forward: writes what replay will
-                finally:
-                    _sync_debug(mode)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            if self.mempool is None:
-                self.mempool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool):
-                out = self._body(model, static_ids, static_pos, static_kv)
-        except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
-            torch.cuda.synchronize(device)
-            frames = traceback.extract_tb(exc.__traceback__)[-4:]
+        if self._capturer is None or self._capturer.device != input_ids.device:
+            self._capturer = GraphCapture(input_ids.device, "apply_recoverssm(cuda_graphs=True)")
+        try:  # the warm-up is a real forward: it writes what the replay will
+            self._capturer.warmup(lambda: self._body(model, static_ids, static_pos, static_kv), what="a forward")
+            graph, out = self._capturer.capture(lambda: self._body(model, static_ids, static_pos, static_kv),
+                                               what="a forward")
+        except CaptureError as exc:
+            frames = traceback.extract_tb((exc.__cause__ or exc).__traceback__)[-4:]
             where = "; ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in frames)
-            self.failed = f"{type(exc).__name__}: {exc} (at {where})"
+            self.failed = f"{exc} (at {where})"
             warnings.warn("apply_recoverssm(cuda_graphs=True): this model's forward cannot be captured (it "
                           f"synchronises with the host or runs what CUDA graphs cannot hold); running eagerly. "
                           f"{self.failed}", RuntimeWarning, stacklevel=4)
             return None
         return _Graph(graph, static_ids, static_pos, static_kv, out.logits)
-
-
-def _sync_debug(mode) -> None:
-    """``torch.cuda.set_sync_debug_mode`` without its "prototype feature" warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode(mode)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..metadata import RecoverSSMMetadata
-from ..ops import _eager
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
 from .prefill import gdn_prefill_row
 from .short_conv import check_inference, run_short_conv
@@ -230,11 +229,8 @@ class RecoverGatedDeltaNet(nn.Module):
             return self._step(hidden, metadata, pool, state, dev)
 
     def _step(self, hidden, metadata, pool, state, dev):
-        fold = None
-        if pool.folded:  # before anything is written: these may refuse the step
-            if metadata.align:
-                raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-            fold = pool.lazy_plan(metadata, dev, self) if pool.ring_mode else pool.fold_plan(metadata, dev, self)
+        protocol = pool.protocol
+        plan = protocol.plan(pool, metadata, dev, self)  # before anything is written: it may refuse the step
         metadata = metadata.to(dev)  # itself on a pool on one device
         T = hidden.shape[0]
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
@@ -250,23 +246,7 @@ class RecoverGatedDeltaNet(nn.Module):
             span = metadata.verify_span  # the ops run on the tokens the verify windows span
             args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
                     metadata.verify_query_start_loc)
-            if pool.snapshot:  # the native path: a state write per window token
-                _eager.call("gdn_snapshot_verify", *args, pool.snapshot_slots(span.stop - span.start, dev),
-                            core[span], scale, True)
-            elif pool.ring_mode:  # fast mode, lazy commit: fold when pending tokens would pass max_pending
-                _eager.call("gdn_closed_form_folded_verify", *args, core[span], *pool.gdn_ring(self), *fold,
-                            metadata.max_window, pool.max_pending, scale, True)
-            elif pool.folded:  # commit the previous step's window on the way, then verify
-                rec = pool.gdn_record(self, span.stop - span.start)
-                _eager.call("gdn_folded_verify", *args, core[span], rec.u, rec.k, rec.decay,
-                            *pool.gdn_prev_record(self), *fold, scale, True)
-            elif pool.mode == "fast":  # the closed-form window; commit replays its record
-                rec = pool.gdn_record(self, span.stop - span.start)
-                _eager.call("gdn_closed_form_verify", *args, core[span], rec.u, rec.k, rec.decay, metadata.max_window,
-                            scale, True)
-            else:
-                rec = pool.gdn_record(self, span.stop - span.start)
-                _eager.call("gdn_verify", *args, core[span], rec.u, rec.k, rec.decay, scale, True)
+            protocol.verify(pool, self, args, core[span], metadata, plan, scale)
         for row in metadata.prefill_rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)

@@ -25,16 +25,6 @@ def check_inference(name: str, x: torch.Tensor, module) -> None:
                          "autograd formula")
 
 
-def token_snapshot_plan(metadata: RecoverSSMMetadata, pool: StatePool):
-    """Snapshot mode: ``(n, boundary_indices, boundary_offsets)`` that make a commit write the
-    state after every window token into the token's scratch slot (device tensors)."""
-    qsl = metadata.verify_query_start_loc
-    bos, lens = qsl[:-1], qsl[1:] - qsl[:-1]
-    j = torch.arange(metadata.max_window, dtype=torch.int32, device=qsl.device)[None, :]
-    idx = torch.where(j < lens[:, None], pool.num_slots + bos[:, None] + j, torch.full_like(j, -1))
-    return lens.to(torch.int32), idx.to(torch.int32), (j + 1).expand_as(idx).to(torch.int32).contiguous()
-
-
 def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetadata, dilation, activation,
                    pool: StatePool | None = None):
     """The conv of one layer over a mixed step: verify rows through ``short_conv_verify``
@@ -57,11 +47,8 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
             conv_state.index_fill_(0, metadata.fresh_slots.long(), 0)
         _eager.call("short_conv_verify", x[span], weight, bias, conv_state, metadata.verify_indices,
                     metadata.verify_query_start_loc, out[span], rec_x[:V], dilation, activation)
-        if pool is not None and pool.snapshot:
-            n, idx, off = token_snapshot_plan(metadata, pool)
-            none = torch.full_like(n, -1)
-            _eager.call("short_conv_commit", conv_state, rec_x[:V], metadata.verify_query_start_loc,
-                        metadata.verify_indices, n, none, idx, off)
+        if pool is not None:
+            pool.protocol.conv_verified(pool, conv_state, rec_x[:V], metadata)
     for row in metadata.prefill_rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
         y, final, bounds = conv_prefill_row(x[row.bos:row.eos], weight, bias, init, dilation, activation,

@@ -1,0 +1,128 @@
+"""Strict CUDA-graph capture: one memory pool, host syncs as errors, no allocation outside the pool.
+
+Every capture in ssm_spec goes through :class:`GraphCapture`: the uniform step of
+``ssm_spec.graphs`` (:class:`~ssm_spec.graphs.SpecDecodeGraphRunner`), the Hugging Face path's
+graphed forwards (:mod:`ssm_spec.hf.graphed`) and the decode loop's rounds. A graph must hold
+the whole step or not exist: a host read inside it would replay stale values, and memory taken
+outside the graph pool would be reused by the allocator while the graph still writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+__all__ = ["CaptureError", "GraphCapture", "host_syncs_raise"]
+
+
+class CaptureError(RuntimeError):
+    """A step cannot be held by a CUDA graph: it synchronised with the host, ran an operation
+    capture forbids, or allocated memory outside the graph pool while being captured."""
+
+
+@contextlib.contextmanager
+def host_syncs_raise():
+    """Inside the block a host synchronisation (``.item()``, ``.tolist()``, a device-to-host
+    copy, ``nonzero``) raises ``RuntimeError`` instead of passing (``torch.cuda``'s sync debug
+    mode ``"error"``, without its "prototype feature" warning); the mode is restored after."""
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode(mode)
+
+
+def _active_blocks_outside(pool_id) -> dict[int, int]:
+    """``{address: size}`` of the caching allocator's allocated blocks that are not in ``pool_id``."""
+    blocks = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if tuple(seg.get("segment_pool_id", (0, 0))) == tuple(pool_id):
+            continue
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                blocks[blk["address"]] = blk["size"]
+    return blocks
+
+
+class GraphCapture:
+    """Captures CUDA graphs of one device into one shared memory pool, strictly.
+
+    Args:
+        device: the CUDA device the graphs run on.
+        name: who captures (prefixes every :class:`CaptureError` message).
+
+    Attributes:
+        mempool: the graph memory pool handle every graph shares (``None`` until the first
+            capture, and after :meth:`reset`).
+    """
+
+    def __init__(self, device, name: str):
+        self.device = torch.device(device)
+        self.name = name
+        self.mempool = None
+
+    def reset(self) -> None:
+        """Forget the memory pool (call it when every graph captured into it is dropped: capturing
+        into the handle of a pool the allocator has freed trips an internal assert)."""
+        self.mempool = None
+
+    def warmup(self, fn, iters: int = 1, what: str = "the step") -> None:
+        """Run ``fn()`` ``iters`` times on a side stream with host syncs as errors (kernels compile
+        and libraries set up their workspaces outside any graph), then wait for it.
+
+        Raises:
+            CaptureError: ``fn`` synchronised with the host or failed on the device (the error is
+                chained); other exceptions of ``fn`` pass through unchanged.
+        """
+        stream = torch.cuda.Stream(device=self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(stream), host_syncs_raise():
+                for _ in range(iters):
+                    fn()
+        except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
+            torch.cuda.synchronize(self.device)
+            raise CaptureError(f"{self.name}: warming up {what}: it synchronised with the host or failed on the "
+                               f"device: {exc}") from exc
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def capture(self, fn, what: str = "the step", generator: torch.Generator | None = None):
+        """Capture ``fn()`` into a new graph in the shared pool; returns ``(graph, fn's result)``.
+
+        Host syncs raise while ``fn`` runs, and any block allocated outside the pool by ``fn``
+        (memory on another stream, say) refuses the graph. ``generator`` (a CUDA generator) is
+        registered with the graph, so each replay draws fresh numbers.
+
+        Raises:
+            CaptureError: a host sync, an operation CUDA graphs forbid (the error is chained), or
+                allocations outside the pool (their count and bytes given).
+        """
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool):
+                # read the allocator around fn alone: entering the capture may itself allocate outside
+                # the pool once per process (the graph-safe RNG's seed and offset tensors)
+                before = _active_blocks_outside(self.mempool)
+                with host_syncs_raise():
+                    result = fn()
+                after = _active_blocks_outside(self.mempool)
+        except RuntimeError as exc:
+            torch.cuda.synchronize(self.device)
+            raise CaptureError(f"{self.name}: capturing {what}: it synchronised with the host or ran an operation "
+                               f"CUDA graphs cannot hold: {exc}") from exc
+        new = {a: s for a, s in after.items() if a not in before}
+        if new:
+            raise CaptureError(f"{self.name}: capturing {what}: it allocated {len(new)} block(s), "
+                               f"{sum(new.values())} bytes, outside the graph memory pool")
+        return graph, result

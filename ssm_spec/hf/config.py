@@ -1,0 +1,123 @@
+"""The settings of a converted model (:class:`RecoverSSMConfig`), kept apart from what the model
+holds at run time (:class:`RecoverSSMRuntime`), and the public ways to read both.
+
+:func:`~ssm_spec.hf.apply_recoverssm` validates its arguments once, here, and stores a frozen
+config on the model; a later call replaces it with an updated copy. Everything else reads it
+through :func:`recoverssm_config` and the kept cache's statistics through
+:func:`acceptance_stats` / :func:`kept_cache`, never through the model's private attribute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..pools.protocols import MODES, STATE_DTYPES, check_mode, check_state_dtype
+
+__all__ = ["RecoverSSMConfig", "RecoverSSMRuntime", "recoverssm_config", "kept_cache", "acceptance_stats",
+           "check_state_dtype", "check_mode", "STATE_DTYPES", "MODES"]
+
+@dataclass(frozen=True)
+class RecoverSSMConfig:
+    """What a converted model was asked to do; frozen and validated on construction.
+
+    Attributes:
+        state_dtype: recurrent state dtype of the caches ``generate`` creates
+            (``torch.float32`` or ``torch.bfloat16``).
+        mode: ``"exact"`` (tokens equal plain greedy in fp32) or ``"fast"`` (the closed-form
+            verify, docs/design.md section 2.6).
+        cuda_graphs: ``generate`` replays forwards (and the decode loop's rounds) from CUDA
+            graphs on CUDA devices.
+
+    New switches are added as fields with defaults, so configs built by keyword stay valid;
+    :meth:`replace` gives an updated copy (validated again).
+
+    Raises:
+        ValueError: a field outside its allowed values.
+    """
+
+    state_dtype: torch.dtype = torch.float32
+    mode: str = "exact"
+    cuda_graphs: bool = False
+
+    def __post_init__(self):
+        check_state_dtype("RecoverSSMConfig", self.state_dtype)
+        check_mode("RecoverSSMConfig", self.mode)
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"RecoverSSMConfig: cuda_graphs: got {self.cuda_graphs!r}; expected True or False")
+
+    def replace(self, **changes) -> RecoverSSMConfig:
+        """A copy with ``changes`` applied; ``None`` values keep the current setting."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+class KeptCache:
+    """Holds a model's graphed cache between ``generate`` calls; a copy of the model (deepcopy)
+    starts without one (CUDA graphs cannot be copied, and they point at the original's buffers)."""
+
+    def __init__(self):
+        self.cache = None
+        self.made_for = None
+
+    def __deepcopy__(self, memo):
+        return KeptCache()
+
+
+@dataclass
+class RecoverSSMRuntime:
+    """What a converted model holds at run time, beside its config (private to ``ssm_spec.hf``).
+
+    Attributes:
+        config: the :class:`RecoverSSMConfig`.
+        cache_kwarg: the name transformers' ``forward`` takes the cache by (``cache`` or
+            ``past_key_values``).
+        kept: the graphed cache kept between ``generate`` calls (:class:`KeptCache`).
+        experts_implementation: the model's own expert implementation while ``cuda_graphs``
+            switched it (``None`` otherwise).
+        last_stats: the :class:`~ssm_spec.hf.AcceptanceStats` of the cache the last
+            ``generate`` call used.
+    """
+
+    config: RecoverSSMConfig
+    cache_kwarg: str
+    kept: KeptCache = field(default_factory=KeptCache)
+    experts_implementation: object = None
+    last_stats: object = None
+
+
+def _runtime(model, caller: str) -> RecoverSSMRuntime:
+    runtime = getattr(model, "_recoverssm", None)
+    if not isinstance(runtime, RecoverSSMRuntime):
+        raise ValueError(f"{caller}: {type(model).__name__} is not converted; call ssm_spec.hf.apply_recoverssm(model)")
+    return runtime
+
+
+def recoverssm_config(model) -> RecoverSSMConfig:
+    """The :class:`RecoverSSMConfig` of a converted model.
+
+    Raises:
+        ValueError: ``model`` is not converted.
+    """
+    return _runtime(model, "recoverssm_config").config
+
+
+def kept_cache(model):
+    """The graphed :class:`~ssm_spec.hf.RecoverSSMCache` a ``cuda_graphs`` model keeps between
+    ``generate`` calls (``None`` before the first such call, or with ``cuda_graphs`` off).
+
+    Raises:
+        ValueError: ``model`` is not converted.
+    """
+    return _runtime(model, "kept_cache").kept.cache
+
+
+def acceptance_stats(model):
+    """The :class:`~ssm_spec.hf.AcceptanceStats` of the cache the last ``generate`` call of a
+    converted model used (the one it created, or the one passed in); ``None`` before any call.
+
+    Raises:
+        ValueError: ``model`` is not converted.
+    """
+    return _runtime(model, "acceptance_stats").last_stats
