@@ -1,12 +1,12 @@
 """Eager calls of the ssm_spec ops that skip torch.library's Python dispatch layers.
 
 An op defined with ``torch.library.custom_op`` runs Python wrappers on every call
-(ADInplaceOrView with ``fill_defaults``, the autograd wrapper) before its kernel: about 0.18 ms
-per call on the 2-core CPU machine, measured against a direct call of the same kernel. The
-modules make several op calls per layer and step, so on a host-bound batch-1 decode this is
-visible. ``call`` runs the op's registered backend function directly in eager mode and the
-registered op (``torch.ops.ssm_spec.<name>``) while compiling, so traced graphs keep the op
-and its mutation annotations. Both paths run the same structure checks and the same kernels.
+(ADInplaceOrView with ``fill_defaults``, the autograd wrapper) before its kernel, measured
+costly on the CPU (docs/perf-notes.md, "Host overhead: custom-op dispatch"). The modules make
+several op calls per layer and step, so on a host-bound batch-1 decode this is visible.
+``call`` runs the op's registered backend function directly in eager mode and the registered
+op (``torch.ops.ssm_spec.<name>``) while compiling, so traced graphs keep the op and its
+mutation annotations. Both paths run the same structure checks and the same kernels.
 """
 
 from __future__ import annotations

@@ -13,11 +13,24 @@ from __future__ import annotations
 import torch
 
 from . import _eager
+from ._library import define_op
 
 __all__ = ["gdn_verify_functional", "short_conv_verify_functional"]
 
 
-@torch.library.custom_op("ssm_spec::gdn_verify_functional", mutates_args=())
+def _gdn_outputs(q, v, new=torch.zeros):
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    f32 = dict(dtype=torch.float32, device=v.device)
+    return (new((T, HV, V), dtype=v.dtype, device=v.device), new((T, HV, V), **f32), new((T, H, K), **f32),
+            new((T, HV), **f32))
+
+
+def _gdn_fake(q, k, v, g, beta, state, state_indices, query_start_loc, scale, use_qk_l2norm):
+    return _gdn_outputs(q, v, new=torch.empty)
+
+
+@define_op("gdn_verify_functional", mutates_args=(), fake=_gdn_fake)
 def gdn_verify_functional(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
@@ -32,20 +45,11 @@ def gdn_verify_functional(
     return out, rec_u, rec_k, rec_decay
 
 
-def _gdn_outputs(q, v, new=torch.zeros):
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    f32 = dict(dtype=torch.float32, device=v.device)
-    return (new((T, HV, V), dtype=v.dtype, device=v.device), new((T, HV, V), **f32), new((T, H, K), **f32),
-            new((T, HV), **f32))
+def _short_conv_fake(x, weight, bias, conv_state, state_indices, query_start_loc, dilation, activation):
+    return torch.empty_like(x), torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
-@gdn_verify_functional.register_fake
-def _(q, k, v, g, beta, state, state_indices, query_start_loc, scale, use_qk_l2norm):
-    return _gdn_outputs(q, v, new=torch.empty)
-
-
-@torch.library.custom_op("ssm_spec::short_conv_verify_functional", mutates_args=())
+@define_op("short_conv_verify_functional", mutates_args=(), fake=_short_conv_fake)
 def short_conv_verify_functional(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     state_indices: torch.Tensor, query_start_loc: torch.Tensor, dilation: int, activation: str,
@@ -57,8 +61,3 @@ def short_conv_verify_functional(
     _eager.call("short_conv_verify", x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x,
                 dilation, activation)
     return out, rec_x
-
-
-@short_conv_verify_functional.register_fake
-def _(x, weight, bias, conv_state, state_indices, query_start_loc, dilation, activation):
-    return torch.empty_like(x), torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from ... import reference
-from .. import _eager
+from .._launch import commit_metadata_strides, strides
+from .._library import define_op
 from .._validate import (
     STATE_DTYPES,
     check_commit_metadata,
@@ -23,7 +24,8 @@ from .._validate import (
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
-from .inner import check_tile, gdn_tile_config, load_record_token, replay_token, use_ptx
+from .inner import load_record_token, replay_token, use_ptx
+from .tiles import check_tile, gdn_tile_config
 
 # ----------------------------------------------------------------------------- Triton
 
@@ -76,7 +78,7 @@ def gdn_commit_kernel(
         # the first record loads beside the state tile, and each next one while this one is
         # applied (a while loop: Triton 3.6's interpreter cannot range() over loaded bounds,
         # and Triton does not pipeline it). Loading four records at once was measured slower
-        # (docs/perf-notes.md: registers 156 -> 255, one accepted token 68 -> 77 us at B=64).
+        # on the H200 (docs/perf-notes.md).
         n_k, n_u, n_d = load_record_token(ru_l, rk_l, rd_l, bos.to(tl.int64), bos + n, i_h, i_hv, o_k, o_v, m_k, m_v,
                                           s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh)
         b_h = tl.load(layer + src * s_ss + tile, mask=m_h, other=0).to(tl.float32)
@@ -122,12 +124,15 @@ def launch_gdn_commit(state, rec_u, rec_k, rec_decay, query_start_loc, src_indic
         return
     grid = (triton.cdiv(V, BV), B * HV, NL)
     gdn_commit_kernel[grid](
-        state, rec_u, rec_k, rec_decay, query_start_loc, src_indices, num_accepted_tokens,
-        dst_indices, boundary_indices, boundary_offsets,
-        T, S, NBD,
-        *state.stride(), *rec_u.stride(), *rec_k.stride(), *rec_decay.stride(),
-        query_start_loc.stride(0), src_indices.stride(0), num_accepted_tokens.stride(0),
-        dst_indices.stride(0), *boundary_indices.stride(), *boundary_offsets.stride(),
+        state_ptr=state, ru_ptr=rec_u, rk_ptr=rec_k, rd_ptr=rec_decay, qsl_ptr=query_start_loc,
+        src_ptr=src_indices, n_ptr=num_accepted_tokens, dst_ptr=dst_indices, bidx_ptr=boundary_indices,
+        boff_ptr=boundary_offsets,
+        T=T, S=S, NBD=NBD,
+        **strides(state, "s_sl", "s_ss", "s_sh", "s_sk", "s_sv"),
+        **strides(rec_u, "s_rul", "s_rut", "s_ruh", "s_ruv"), **strides(rec_k, "s_rkl", "s_rkt", "s_rkh", "s_rkk"),
+        **strides(rec_decay, "s_rdl", "s_rdt", "s_rdh"),
+        **commit_metadata_strides(query_start_loc, src_indices, num_accepted_tokens, dst_indices, boundary_indices,
+                                  boundary_offsets),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_PTX=use_ptx(), num_warps=num_warps,
     )
 
@@ -194,33 +199,18 @@ def check_gdn_commit_structure(state, rec_u, rec_k, rec_decay, query_start_loc, 
 # ----------------------------------------------------------------------------- the op
 
 
-def _gdn_commit_cpu(
-    state: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
+@define_op("gdn_commit", mutates_args=("state",), cpu=gdn_commit_cpu, cuda=launch_gdn_commit)
+def gdn_commit_op(
+    kernel, state: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
     query_start_loc: torch.Tensor, src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor,
     dst_indices: torch.Tensor, boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_commit``: docs/design.md section 4.1. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.gdn_commit``: docs/design.md section 4.1. ``kernel``: the CPU twin
+    or the CUDA launcher."""
     args = (state, rec_u, rec_k, rec_decay, query_start_loc, src_indices, num_accepted_tokens,
             dst_indices, boundary_indices, boundary_offsets)
     check_gdn_commit_structure(*args)
-    gdn_commit_cpu(*args)
-
-
-gdn_commit_op = torch.library.custom_op("ssm_spec::gdn_commit", mutates_args=("state",))(_gdn_commit_cpu)
-
-
-@gdn_commit_op.register_kernel("cuda")
-def _gdn_commit_cuda(*args):
-    check_gdn_commit_structure(*args)
-    launch_gdn_commit(*args)
-
-
-@gdn_commit_op.register_fake
-def _gdn_commit_fake(*args, **kwargs):
-    return None
-
-
-_eager.register("gdn_commit", cpu=_gdn_commit_cpu, cuda=_gdn_commit_cuda)
+    kernel(*args)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -7,7 +7,7 @@ one state write per row, layer and value head, the floor for any scheme that kee
 committed state every step (the performance issue; separate verify + commit read the state
 twice and write it once).
 
-It runs the verify kernel itself (:func:`~ssm_spec.ops.gdn.verify.gdn_window_kernel` with its
+It runs the verify kernel itself (:func:`~ssm_spec.ops.gdn.window.gdn_window_kernel` with its
 ``fold`` flag), whose fold uses the commit's elementwise update, so states and outputs are
 bit-identical to ``gdn_commit`` followed by ``gdn_verify``. Records must be double-buffered
 by the caller: this step's records may not overlap the previous step's.
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import reference
-from .. import _eager
+from .._library import define_op
 from .._validate import (
     check_index,
     check_tensor,
@@ -28,13 +27,8 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
-from .verify import (
-    ReplayRecord,
-    check_gdn_window_structure,
-    gdn_window_cpu,
-    launch_gdn_window,
-    prepare_window_call,
-)
+from .record import ReplayRecord
+from .window import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
 
 OP = "gdn_folded_verify"
 
@@ -53,68 +47,25 @@ def _check_fold_structure(state, rec_k, prev_rec_u, prev_rec_k, prev_rec_decay, 
     check_index(OP, "prev_num_accepted_tokens", prev_num_accepted_tokens, batch, dev)
 
 
-def gdn_fold_cpu(state, prev_rec_u, prev_rec_k, prev_rec_decay, src_indices, prev_start, prev_num_accepted_tokens):
-    """CPU twin of the kernel's fold: replay ``prev_n[b]`` tokens from ``prev_start[b]`` onto
-    ``state[src[b]]`` (:func:`reference.gdn_replay_update`, the commit's update) and store it;
-    counts and starts clamped into the record buffer, out-of-range slots skipped."""
-    S, HV = state.shape[:2]
-    TP = prev_rec_u.shape[0]
-    group = HV // prev_rec_k.shape[1]
-    for b, (slot, p0, pn) in enumerate(zip(src_indices.tolist(), prev_start.tolist(),
-                                           prev_num_accepted_tokens.tolist())):
-        p0 = min(max(p0, 0), TP)
-        pn = min(max(pn, 0), TP - p0)
-        if not 0 <= slot < S or pn == 0:
-            continue
-        h = state[slot].to(torch.float32).clone()
-        for tok in range(p0, p0 + pn):
-            h = reference.gdn_replay_update(h, prev_rec_k[tok].repeat_interleave(group, 0), prev_rec_u[tok],
-                                            prev_rec_decay[tok])
-        state[slot] = h
-
-
-def _gdn_folded_verify_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+@define_op(OP, mutates_args=("state", "out", "rec_u", "rec_k", "rec_decay"), cpu=gdn_window_cpu,
+           cuda=launch_gdn_window)
+def gdn_folded_verify_op(
+    kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
     out: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
     prev_rec_u: torch.Tensor, prev_rec_k: torch.Tensor, prev_rec_decay: torch.Tensor,
     prev_start: torch.Tensor, prev_num_accepted_tokens: torch.Tensor,
     scale: float, use_qk_l2norm: bool,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_folded_verify`` (module docstring). CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.gdn_folded_verify`` (module docstring). ``kernel``: the CPU twin or
+    the CUDA launcher of the window kernel, in its fold mode."""
     check_gdn_window_structure(OP, q, k, v, g, beta, state, state_indices, query_start_loc, out,
                                rec_u, rec_k, rec_decay)
     _check_fold_structure(state, rec_k, prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
                           prev_num_accepted_tokens, state_indices.shape[0])
-    gdn_fold_cpu(state, prev_rec_u, prev_rec_k, prev_rec_decay, state_indices, prev_start, prev_num_accepted_tokens)
-    gdn_window_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
-                   (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
-
-
-gdn_folded_verify_op = torch.library.custom_op(
-    "ssm_spec::gdn_folded_verify", mutates_args=("state", "out", "rec_u", "rec_k", "rec_decay"))(
-    _gdn_folded_verify_cpu)
-
-
-@gdn_folded_verify_op.register_kernel("cuda")
-def _gdn_folded_verify_cuda(q, k, v, g, beta, state, state_indices, query_start_loc, out, rec_u, rec_k,
-                            rec_decay, prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-                            prev_num_accepted_tokens, scale, use_qk_l2norm):
-    check_gdn_window_structure(OP, q, k, v, g, beta, state, state_indices, query_start_loc, out,
-                               rec_u, rec_k, rec_decay)
-    _check_fold_structure(state, rec_k, prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-                          prev_num_accepted_tokens, state_indices.shape[0])
-    launch_gdn_window(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
-                      (rec_u, rec_k, rec_decay), scale, use_qk_l2norm,
-                      fold=(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start, prev_num_accepted_tokens))
-
-
-@gdn_folded_verify_op.register_fake
-def _gdn_folded_verify_fake(*args, **kwargs):
-    return None
-
-
-_eager.register(OP, cpu=_gdn_folded_verify_cpu, cuda=_gdn_folded_verify_cuda)
+    kernel(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
+           (rec_u, rec_k, rec_decay), scale, use_qk_l2norm,
+           fold=(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start, prev_num_accepted_tokens))
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
-"""The inner update GDN verify, commit, the folded verify and the native snapshot share, and
-their tiles.
+"""The inner update GDN verify, commit, the folded verify and the native snapshot share: the
+ordered arithmetic every GDN kernel builds its states and reductions from.
 
 Bit identity between commit and the native per-token state (docs/design.md section 2.3) holds
 because every kernel builds the state with *these* functions: commit replays the records
@@ -8,7 +8,7 @@ reduction (the correction ``u``, the output, the q/k norms) are fixed by :func:`
 states its summation order in code instead of leaving it to ``tl.sum`` (whose tree follows the
 layout Triton picks for a tile): so the tile (``BV``, ``num_warps``) and the compiled mode
 (verify, snapshot, fold) change speed, never bits, and each kernel takes its own fastest tile
-per batch size (:data:`TILES`, :func:`gdn_tile_config`). Tested on the H200 across tiles
+per batch size (:mod:`~ssm_spec.ops.gdn.tiles`). Tested on the H200 across tiles
 (``tests/test_gdn_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu``, ``scripts/tune_gdn.py``).
 
 History (``docs/perf-notes.md``): with ``tl.sum`` the order depended on the layout, and even
@@ -27,6 +27,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+# the tile tables live in tiles.py; importable from here too (scripts and tests use this path)
+from .tiles import KERNELS, TILES, block_k, check_tile, gdn_tile_config, next_power_of_2  # noqa: F401
 
 #: Epsilon of the q/k L2 normalisation (docs/design.md section 2.1).
 L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
@@ -143,11 +146,10 @@ def l2_normalize(x, USE_PTX: tl.constexpr):
 
     One multiply per element instead of an IEEE division and square root. On CUDA ``rsqrt``
     is ``rsqrt.approx.ftz.f32`` (2 ulp), so ``k̂`` and ``q̂`` land within about 3 ulp of the
-    quotient (the Triton interpreter computes an IEEE ``1/sqrt``). 17 % off verify's time on the
-    H200 (B=64, k=3, fp32 state: 103.4 -> 85.7 us, a variant sweep of ``scripts/tune_gdn.py`` at
-    commit 6d03fc8; docs/perf-notes.md). Bit identity is unaffected: ``k̂`` has the same bits in
-    verify, the snapshot and the fold (the same code), is recorded, and replayed by commit;
-    ``q̂`` only reaches the output.
+    quotient (the Triton interpreter computes an IEEE ``1/sqrt``). Measured faster than the
+    division on the H200 (docs/perf-notes.md). Bit identity is unaffected: ``k̂`` has the same
+    bits in verify, the snapshot and the fold (the same code), is recorded, and replayed by
+    commit; ``q̂`` only reaches the output.
     """
     return x * tl.rsqrt(kdot(x, x, USE_PTX) + L2NORM_EPS)
 
@@ -217,109 +219,11 @@ def use_ptx() -> bool:
 @triton.jit
 def pin(x, USE_PTX: tl.constexpr):
     """An opaque identity: every later use of ``x`` (the record store and the state update)
-    reads these very registers (cheap for a ``[BV]`` vector; on a whole tile it cost 60 %). Without it Triton may rematerialize the producer chain of a
-    value in another layout for one of its uses, and a rematerialized reduction sums in
-    another order."""
+    reads these very registers (cheap for a ``[BV]`` vector; measured costly on a whole tile,
+    docs/perf-notes.md). Without it Triton may rematerialize the producer chain of a value in
+    another layout for one of its uses, and a rematerialized reduction sums in another order."""
     if USE_PTX:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                          is_pure=False, pack=1)
     else:
         return x
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def block_k(K: int) -> int:
-    """The key-axis block of every GDN kernel: ``next_pow2(K)`` (at least 2, so :func:`kdot`
-    always has a pair to add)."""
-    return max(2, next_power_of_2(K))
-
-
-#: Measured tiles: ``(K, V, state dtype) -> kernel -> ((max_batch, BV, num_warps), ...)``, by
-#: ascending ``max_batch``; a launch of ``B`` rows takes the first entry with ``B <= max_batch``
-#: (``None``: any batch). Chosen on the H200 by ``scripts/tune_gdn.py`` (runs and reasoning in
-#: docs/perf-notes.md). Every GDN kernel's bits are a property of its code, not of its tile
-#: (:func:`kdot`), so verify, the folded verify, the snapshot and commit each take their own
-#: fastest tile per batch size, and a request's bits do not depend on the batch it runs in.
-TILES: dict[tuple[int, int, torch.dtype], dict[str, tuple[tuple[int | None, int, int], ...]]] = {
-    # 2026-12-01 sweep (k=3 unless noted; fastest per batch, us): verify B=1 8/1 6.1, B=4 32/1 9.0,
-    # B=16 32/1 21.4, B=64 16/1 68.6 ~ 32/1 69.4 (k=5: 32/1 88.9), B=256 32/1 238; snapshot B<=4
-    # 16/1 (7.1, 14.4), B>=16 64/2 (50.3, 184.2, 710.2). Commit (one-token record prefetch, the
-    # 2026-11-29 sweep): 64/4 (70.5 us at k=1, 87.6 at k=3, B=64).
-    (128, 128, torch.float32): {
-        "verify": ((2, 8, 1), (None, 32, 1)),
-        "snapshot": ((4, 16, 1), (None, 64, 2)),
-        "commit": ((None, 64, 4),),
-        # fast mode v4, the streamed state (2026-12-01, B=64, W=4, scripts/tune_closed_form.py):
-        # 128/1 44.0 us, 64/1 53.4, 32/1 77.8 (one warp owns whole state rows: no cross-lane sums)
-        "closed_form": ((None, 128, 1),),
-    },
-    # verify 32/1 (B=4 8.4, B=64 61.8); snapshot 32/1 (10.2, 107.0); commit 32/2 (57.1 at k=3, B=64,
-    # the 2026-11-29 sweep)
-    (128, 128, torch.bfloat16): {
-        "verify": ((None, 32, 1),),
-        "snapshot": ((None, 32, 1),),
-        "commit": ((None, 32, 2),),
-        "closed_form": ((None, 128, 1),),  # not swept for bf16: fp32's tile
-    },
-}
-KERNELS = ("verify", "snapshot", "commit", "closed_form")
-
-
-def _default_tile(K: int, V: int) -> tuple[int, int, int]:
-    """Shapes not in :data:`TILES`: one warp holding about 4096 state elements (128 per thread,
-    the measured sweet spot at Qwen3-Next widths)."""
-    bk = block_k(K)
-    return bk, max(1, min(next_power_of_2(V), 4096 // bk)), 1
-
-
-def check_tile(config, K: int) -> tuple[int, int, int]:
-    """A launcher's ``config`` override ``(BK, BV, num_warps)`` (benchmarks and tuning), checked.
-
-    Raises:
-        ValueError: not three integers, ``BK`` other than ``max(2, next_pow2(K))``, ``BV`` not a power
-            of two or ``BK * BV`` above Triton's 2**20 elements per tensor, ``num_warps`` not
-            in 1, 2, 4, 8, 16.
-    """
-    want = block_k(K)
-    try:
-        ok = len(config) == 3 and all(isinstance(c, int) and not isinstance(c, bool) for c in config)
-    except TypeError:
-        ok = False
-    if ok:
-        BK, BV, warps = config
-        ok = (BK == want and BV >= 1 and not BV & (BV - 1) and BK * BV <= 1 << 20
-              and warps in (1, 2, 4, 8, 16))
-    if not ok:
-        raise ValueError(f"config: expected three ints (BK = max(2, next_pow2(K)) = {want}, BV a power of two with "
-                         f"BK * BV <= 2**20, num_warps in 1, 2, 4, 8, 16), got {config!r}")
-    return BK, BV, warps
-
-
-def gdn_tile_config(K: int, V: int, kernel: str = "verify",
-                    state_dtype: torch.dtype = torch.float32, batch: int | None = None) -> tuple[int, int, int]:
-    """``(BK, BV, num_warps)`` of a GDN kernel on a ``[K, V]`` state for a launch of ``batch``
-    rows (``None``: a large batch).
-
-    A program holds the whole key dim (``BK = max(2, next_pow2(K))``) and a ``BV``-wide slice of
-    the value dim. ``kernel``: ``"verify"`` (verify and the folded verify), ``"snapshot"``,
-    ``"commit"`` or ``"closed_form"`` (fast mode's verify and its folded form); ``state_dtype`` is the pool's. The tile changes speed only, never bits
-    (:data:`TILES`). Shapes not in the measured tables: :func:`_default_tile`.
-
-    Raises:
-        ValueError: an unknown ``kernel``, or ``K`` or ``V`` below 1.
-    """
-    if K < 1 or V < 1:
-        raise ValueError(f"K, V: expected >= 1, got {K}, {V}")
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {sorted(KERNELS)}, got {kernel!r}")
-    entries = TILES.get((K, V, state_dtype), {}).get(kernel)
-    if not entries:
-        if kernel == "closed_form":  # it streams the state: one warp over whole rows (up to 128 values)
-            return block_k(K), min(next_power_of_2(V), 128), 1
-        return _default_tile(K, V)
-    # every table ends with a ``None`` bound (tested), so a batch past every bound takes it
-    _, bv, warps = next(e for e in entries if e[0] is None or (batch is not None and batch <= e[0]))
-    return block_k(K), bv, warps

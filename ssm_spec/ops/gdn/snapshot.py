@@ -2,7 +2,7 @@
 
 Reads each row's source slot and, after every token ``t``, writes the state into
 ``snapshot_indices[t]`` (``< 0``: not written). Runs the same Triton kernel body as verify
-(:func:`~ssm_spec.ops.gdn.verify.gdn_window_kernel`, its ``STORE_SNAPSHOTS`` mode, on its own tile:
+(:func:`~ssm_spec.ops.gdn.window.gdn_window_kernel`, its ``STORE_SNAPSHOTS`` mode, on its own tile:
 bits do not depend on the tile), so its states are the ones commit reproduces bit for bit.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _eager
+from .._library import define_op
 from .._validate import (
     check_index,
     check_unaliased_pool,
@@ -18,7 +18,7 @@ from .._validate import (
     slot_values,
     window_bounds,
 )
-from .verify import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
+from .window import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
 
 
 def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
@@ -31,37 +31,18 @@ def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_
                          f"expected at least T = {q.shape[0]} (one per token)")
 
 
-def _gdn_snapshot_verify_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+@define_op("gdn_snapshot_verify", mutates_args=("state", "out"), cpu=gdn_window_cpu, cuda=launch_gdn_window)
+def gdn_snapshot_verify_op(
+    kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, src_indices: torch.Tensor, query_start_loc: torch.Tensor,
     snapshot_indices: torch.Tensor, out: torch.Tensor, scale: float, use_qk_l2norm: bool,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_snapshot_verify``: docs/design.md section 4.1. CPU kernel."""
+    """``torch.ops.ssm_spec.gdn_snapshot_verify``: docs/design.md section 4.1. ``kernel``: the
+    CPU twin or the CUDA launcher of the window kernel."""
     _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
                               snapshot_indices, out)
-    gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices, out,
-                   None, scale, use_qk_l2norm)
-
-
-gdn_snapshot_verify_op = torch.library.custom_op("ssm_spec::gdn_snapshot_verify", mutates_args=("state", "out"))(
-    _gdn_snapshot_verify_cpu)
-
-
-@gdn_snapshot_verify_op.register_kernel("cuda")
-def _gdn_snapshot_verify_cuda(q, k, v, g, beta, state, src_indices, query_start_loc,
-                              snapshot_indices, out, scale, use_qk_l2norm):
-    _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
-                              snapshot_indices, out)
-    launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
-                      out, None, scale, use_qk_l2norm)
-
-
-@gdn_snapshot_verify_op.register_fake
-def _gdn_snapshot_verify_fake(*args, **kwargs):
-    return None
-
-
-_eager.register("gdn_snapshot_verify", cpu=_gdn_snapshot_verify_cpu, cuda=_gdn_snapshot_verify_cuda)
+    kernel(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices, out,
+           None, scale, use_qk_l2norm)
 
 
 def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,

@@ -1,359 +1,37 @@
 """``gdn_verify``: run a verify window from a read-only checkpoint and record the replay record.
 
-Kernel (Triton, CUDA), launcher, CPU implementation, ``torch.library`` registration and the
-friendly wrapper, together. The Triton kernel :func:`gdn_window_kernel` also serves the native
-snapshot op (``snapshot.py``): one kernel body, so the two compute the same bits.
+The op's registration and its friendly wrapper. The kernel it runs, :func:`gdn_window_kernel`
+(``window.py``), also serves the native snapshot op (``snapshot.py``) and the folded verify
+(``folded.py``): one kernel body, so they compute the same bits.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import triton
-import triton.language as tl
 
-from ... import reference
-from .. import _eager
-from .._validate import (
-    FLOAT_DTYPES,
-    STATE_DTYPES,
-    check_index,
-    check_no_grad,
-    check_scalars,
-    check_tensor,
-    should_validate,
-    slot_values,
-    window_bounds,
-)
-from .._window import clamped_window, load_window
-from .inner import (
-    check_tile,
-    gdn_apply,
-    gdn_correction,
-    gdn_decay,
-    gdn_tile_config,
-    kdot,
-    l2_normalize,
-    load_record_token,
-    pin,
-    replay_token,
-    use_ptx,
-)
-
-
-class ReplayRecord(NamedTuple):
-    """The fp32 per-token record verify writes and commit replays (docs/design.md section 1.3).
-
-    Attributes:
-        u: ``[T, HV, V]`` (or ``[NL, T, HV, V]`` grouped) float32, the correction
-            ``u_t = beta_t * (v_t - P^T k̂_t)``.
-        k: ``[T, H, K]`` (``[NL, T, H, K]``) float32, the normalised key ``k̂_t``.
-        decay: ``[T, HV]`` (``[NL, T, HV]``) float32, ``d_t = exp(g_t)``.
-    """
-
-    u: torch.Tensor
-    k: torch.Tensor
-    decay: torch.Tensor
-
-    @classmethod
-    def empty(cls, q: torch.Tensor, v: torch.Tensor) -> ReplayRecord:
-        """An uninitialised fp32 record for the ``T`` tokens of ``q [T, H, K]``, ``v [T, HV, V]``."""
-        (T, H, K), (HV, V) = q.shape, v.shape[-2:]
-        f32 = dict(dtype=torch.float32, device=v.device)
-        return cls(torch.empty((T, HV, V), **f32), torch.empty((T, H, K), **f32), torch.empty((T, HV), **f32))
-
-
-# ----------------------------------------------------------------------------- Triton
-
-
-@triton.jit
-def load_window_token(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, end, i_h, i_hv, o_k, o_v, m_k, m_v,
-                      s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh):
-    """Token ``t``'s ``q [BK], k [BK], v [BV], g, beta`` in fp32; zeros unless ``t < end`` (the
-    prefetch past a window's last token reads nothing). The vector masks compare per lane:
-    Triton 3.6's interpreter rejects a vector mask combined with a scalar one."""
-    l_k = m_k & (o_k * 0 + t < end)
-    l_v = m_v & (o_v * 0 + t < end)
-    b_q = tl.load(q_ptr + t * s_qt + i_h * s_qh + o_k * s_qk, mask=l_k, other=0).to(tl.float32)
-    b_k = tl.load(k_ptr + t * s_kt + i_h * s_kh + o_k * s_kk, mask=l_k, other=0).to(tl.float32)
-    b_v = tl.load(v_ptr + t * s_vt + i_hv * s_vh + o_v * s_vv, mask=l_v, other=0).to(tl.float32)
-    b_g = tl.load(g_ptr + t * s_gt + i_hv * s_gh, mask=t < end, other=0).to(tl.float32)
-    b_beta = tl.load(beta_ptr + t * s_bt + i_hv * s_bh, mask=t < end, other=0).to(tl.float32)
-    return b_q, b_k, b_v, b_g, b_beta
-
-
-@triton.jit(do_not_specialize=["S", "TP",
-                               # the fold's inputs are dummies when it is off: never specialized
-                               # on them
-                               "pru_ptr", "prk_ptr", "prd_ptr", "pstart_ptr", "pn_ptr",
-                               "s_prut", "s_pruh", "s_pruv", "s_prkt", "s_prkh", "s_prkk",
-                               "s_prdt", "s_prdh", "s_pstart", "s_pn"])
-def gdn_window_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-    state_ptr, src_ptr, qsl_ptr, snap_ptr,
-    out_ptr, ru_ptr, rk_ptr, rd_ptr,
-    pru_ptr, prk_ptr, prd_ptr, pstart_ptr, pn_ptr,
-    scale, T, S, TP,
-    s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh,
-    s_ss, s_sh, s_sk, s_sv, s_src, s_qsl, s_snap,
-    s_ot, s_oh, s_ov, s_rut, s_ruh, s_ruv, s_rkt, s_rkh, s_rkk, s_rdt, s_rdh,
-    s_prut, s_pruh, s_pruv, s_prkt, s_prkh, s_prkk, s_prdt, s_prdh, s_pstart, s_pn,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, USE_PTX: tl.constexpr,
-    STORE_RECORD: tl.constexpr, STORE_SNAPSHOTS: tl.constexpr, FOLD: tl.constexpr,
-):
-    """One program per (V tile, row x value head): the state tile stays in registers across
-    the row's window. ``STORE_RECORD``: write the replay record (verify). ``STORE_SNAPSHOTS``:
-    write the state after each token into ``snap_ptr[t]`` (the native path). ``FOLD``: first
-    replay the row's previous window, ``pn[b]`` tokens of the previous step's records from
-    token ``pstart[b]`` (``TP`` rows), onto the checkpoint, store it once in the pool's dtype
-    and verify from that stored value (the folded commit).
-
-    The modes are constexprs: each compiles its own binary (verify carries no snapshot or
-    fold code, and its registers), and the binaries agree bit for bit because every reduction
-    is :func:`~ssm_spec.ops.gdn.inner.kdot`, whose order is the code's, not the layout's. The
-    fold replays records with the commit's update (:func:`~ssm_spec.ops.gdn.inner.replay_token`),
-    so it lands on the commit's bits."""
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    slot = tl.load(src_ptr + i_b * s_src).to(tl.int64)
-    bos, eos = load_window(qsl_ptr, i_b, s_qsl, T)
-    if (slot >= 0) & (slot < S):
-        o_k = tl.arange(0, BK)
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_k = o_k < K
-        m_v = o_v < V
-        m_h = m_k[:, None] & m_v[None, :]
-        tile = i_hv * s_sh + o_k[:, None] * s_sk + o_v[None, :] * s_sv
-        t = bos.to(tl.int64)  # int64 token offsets
-        # Software pipelining by hand: the inputs of token t + 1 are loaded while token t is
-        # computed, the first token's with the state tile (a while loop over loaded bounds is
-        # not pipelined by Triton, and Triton 3.6's interpreter cannot range() over them).
-        n_q, n_k, n_v, n_g, n_beta = load_window_token(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
-            s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
-        b_h = tl.load(state_ptr + slot * s_ss + tile, mask=m_h, other=0).to(tl.float32)
-        if FOLD:
-            p0 = tl.minimum(tl.maximum(tl.load(pstart_ptr + i_b * s_pstart), 0), TP)
-            pn = tl.minimum(tl.maximum(tl.load(pn_ptr + i_b * s_pn), 0), TP - p0)
-            tok = p0.to(tl.int64)
-            n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok, p0 + pn, i_h, i_hv,
-                                                 o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt, s_prkh,
-                                                 s_prkk, s_prdt, s_prdh)
-            while tok < p0 + pn:  # the next record loads while this one is applied (as commit)
-                b_kp, b_up, b_dp = n_kp, n_up, n_dp
-                n_kp, n_up, n_dp = load_record_token(pru_ptr, prk_ptr, prd_ptr, tok + 1, p0 + pn, i_h,
-                                                     i_hv, o_k, o_v, m_k, m_v, s_prut, s_pruh, s_pruv, s_prkt,
-                                                     s_prkh, s_prkk, s_prdt, s_prdh)
-                b_h = replay_token(b_h, b_kp, b_up, b_dp, USE_PTX)
-                tok += 1
-            if pn > 0:  # the committed state, stored once; verify continues from the stored value
-                b_hs = b_h.to(state_ptr.dtype.element_ty)
-                tl.store(state_ptr + slot * s_ss + tile, b_hs, mask=m_h)
-                b_h = b_hs.to(tl.float32)
-        write_k = (i_v == 0) & (i_hv % (HV // H) == 0)
-        while t < eos:
-            b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
-            n_q, n_k, n_v, n_g, n_beta = load_window_token(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t + 1, eos, i_h, i_hv, o_k, o_v, m_k, m_v,
-                s_qt, s_qh, s_qk, s_kt, s_kh, s_kk, s_vt, s_vh, s_vv, s_gt, s_gh, s_bt, s_bh)
-            if USE_QK_L2NORM:
-                b_k = l2_normalize(b_k, USE_PTX)
-                b_q = l2_normalize(b_q, USE_PTX) * scale
-            else:
-                b_q = b_q * scale
-            b_d = tl.exp(b_g)
-            b_p = gdn_decay(b_h, b_d, USE_PTX)
-            b_u = pin(gdn_correction(b_p, b_k, b_v, b_beta, USE_PTX), USE_PTX)
-            b_h = gdn_apply(b_p, tl.broadcast_to(b_k[:, None], (BK, BV)), b_u, USE_PTX)
-            b_o = kdot(b_h, b_q, USE_PTX)
-            tl.store(out_ptr + t * s_ot + i_hv * s_oh + o_v * s_ov,
-                     b_o.to(out_ptr.dtype.element_ty), mask=m_v)
-            if STORE_RECORD:
-                tl.store(ru_ptr + t * s_rut + i_hv * s_ruh + o_v * s_ruv, b_u, mask=m_v)
-                if i_v == 0:
-                    tl.store(rd_ptr + t * s_rdt + i_hv * s_rdh, b_d)
-                if write_k:
-                    tl.store(rk_ptr + t * s_rkt + i_h * s_rkh + o_k * s_rkk, b_k, mask=m_k)
-            if STORE_SNAPSHOTS:
-                snap = tl.load(snap_ptr + t * s_snap).to(tl.int64)
-                if (snap >= 0) & (snap < S):
-                    tl.store(state_ptr + snap * s_ss + tile,
-                             b_h.to(state_ptr.dtype.element_ty), mask=m_h)
-            t += 1
-
-
-def launch_gdn_window(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
-                      out, record, scale, use_qk_l2norm, config=None, fold=None):
-    """Launch :func:`gdn_window_kernel` (no allocation; the grid depends on shapes only).
-
-    ``record`` is ``(rec_u, rec_k, rec_decay)`` or None; ``snapshot_indices`` a ``[T]`` index
-    tensor or None; ``fold`` is ``(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-    prev_num_accepted_tokens)`` or None. ``config`` overrides the tile ``(BK, BV, num_warps)``
-    of :func:`gdn_tile_config` (benchmarks and tuning; bits do not depend on it;
-    ``ValueError`` for a tile the kernel cannot run, see :func:`check_tile`).
-    """
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    B = src_indices.shape[0]
-    kernel = "snapshot" if snapshot_indices is not None else "verify"
-    BK, BV, num_warps = (check_tile(config, K) if config is not None
-                         else gdn_tile_config(K, V, kernel, state.dtype, B))
-    if B == 0:
-        return
-    # Unused buffers get dummies shaped like the real ones (an fp32/int32 pointer and the
-    # strides of contiguous records / indices); the modes themselves are constexprs.
-    if record is not None:
-        ru, rk, rd = record
-        rec_strides = (*ru.stride(), *rk.stride(), *rd.stride())
-    else:
-        ru = rk = rd = g  # an fp32 pointer; never written without STORE_RECORD
-        rec_strides = (HV * V, V, 1, H * K, K, 1, HV, 1)
-    if snapshot_indices is not None:
-        snap, snap_stride = snapshot_indices, snapshot_indices.stride(0)
-    else:
-        snap, snap_stride = src_indices, 1
-    if fold is not None:
-        pru, prk, prd, pstart, pn = fold
-        TP = pru.shape[0]
-        fold_strides = (*pru.stride(), *prk.stride(), *prd.stride(), pstart.stride(0), pn.stride(0))
-    else:  # dummies of the same kinds as the real ones (never read without FOLD)
-        pru, prk, prd, pstart, pn, TP = ru, rk, rd, src_indices, src_indices, 0
-        fold_strides = (HV * V, V, 1, H * K, K, 1, HV, 1, 1, 1)
-    grid = (triton.cdiv(V, BV), B * HV)
-    gdn_window_kernel[grid](
-        q, k, v, g, beta, state, src_indices, query_start_loc, snap, out, ru, rk, rd,
-        pru, prk, prd, pstart, pn,
-        float(scale), T, state.shape[0], TP,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        *state.stride(), src_indices.stride(0), query_start_loc.stride(0), snap_stride,
-        *out.stride(), *rec_strides, *fold_strides,
-        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_QK_L2NORM=bool(use_qk_l2norm),
-        USE_PTX=use_ptx(), STORE_RECORD=record is not None, STORE_SNAPSHOTS=snapshot_indices is not None,
-        FOLD=fold is not None, num_warps=num_warps,
-    )
-
-
-# ----------------------------------------------------------------------------- CPU
-
-
-def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapshot_indices,
-                   out, record, scale, use_qk_l2norm):
-    """CPU twin of :func:`gdn_window_kernel`: the reference's own per-token expressions,
-    row by row; clamps windows and skips out-of-range slots exactly like the kernel."""
-    T, S = q.shape[0], state.shape[0]
-    qsl = query_start_loc.tolist()
-    snaps = snapshot_indices.tolist() if snapshot_indices is not None else None
-    for b, slot in enumerate(src_indices.tolist()):
-        bos, eos = clamped_window(qsl, b, T)
-        if not 0 <= slot < S or eos == bos:
-            continue
-        res = reference.gdn_native_step(
-            q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], state[slot],
-            scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=torch.float32,
-        )
-        out[bos:eos] = res.out
-        if record is not None:
-            record[0][bos:eos] = res.u
-            record[1][bos:eos] = res.khat
-            record[2][bos:eos] = res.decay
-        if snaps is not None:
-            for t in range(bos, eos):
-                if 0 <= snaps[t] < S:
-                    state[snaps[t]] = res.states[t - bos]
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, validate):
-    """The two window wrappers' shared preamble: resolve ``validate``; when on, check what is
-    read before allocating (ranks of q and v, non-empty head dims, static arguments, no
-    autograd); resolve ``scale``; allocate ``out [T, HV, V]``. Returns
-    ``(do_validate, scale, out)``."""
-    do_validate = should_validate(validate, op)
-    if do_validate:
-        check_tensor(op, "q", q, ndim=3)
-        check_tensor(op, "v", v, ndim=3)
-        if q.shape[-1] == 0 or v.shape[-1] == 0:
-            raise ValueError(f"{op}: q, v: got head dims K={q.shape[-1]}, V={v.shape[-1]}; expected >= 1")
-        check_scalars(op, scale=scale, use_qk_l2norm=use_qk_l2norm)
-        check_no_grad(op, q=q, k=k, v=v, g=g, beta=beta, state=state)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out = torch.empty((q.shape[0], *v.shape[-2:]), dtype=v.dtype, device=v.device)
-    return do_validate, scale, out
-
-
-def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
-                               rec_u=None, rec_k=None, rec_decay=None):
-    """Ranks, shapes, dtypes, devices of the window ops' arguments (no host sync)."""
-    check_tensor(op, "state", state, ndim=4, dtypes=STATE_DTYPES)
-    dev = state.device
-    S, HV, K, V = state.shape
-    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
-    T, H = q.shape[0], q.shape[1]
-    if min(HV, K, V) == 0:
-        raise ValueError(f"{op}: state: got shape {list(state.shape)}; expected HV, K, V >= 1")
-    if H == 0 or HV % H != 0:
-        raise ValueError(f"{op}: q: got {H} key heads for {HV} value heads; expected HV % H == 0")
-    check_tensor(op, "q", q, shape=(T, H, K))
-    check_tensor(op, "k", k, shape=(T, H, K), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor(op, "v", v, shape=(T, HV, V), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor(op, "g", g, shape=(T, HV), dtypes=(torch.float32,), device=dev)
-    check_tensor(op, "beta", beta, shape=(T, HV), dtypes=FLOAT_DTYPES, device=dev)
-    check_index(op, "query_start_loc", query_start_loc, None, dev)
-    B = query_start_loc.shape[0] - 1
-    if B < 0:
-        raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
-    check_index(op, "state_indices" if rec_u is not None else "src_indices", src_indices, B, dev)
-    check_tensor(op, "out", out, shape=(None, HV, V), dtypes=(v.dtype,), device=dev)
-    if out.shape[0] < T:
-        raise ValueError(f"{op}: out: got {out.shape[0]} token rows; expected at least {T}")
-    if rec_u is not None:
-        check_tensor(op, "rec_u", rec_u, shape=(out.shape[0], HV, V), dtypes=(torch.float32,), device=dev)
-        check_tensor(op, "rec_k", rec_k, shape=(out.shape[0], H, K), dtypes=(torch.float32,), device=dev)
-        check_tensor(op, "rec_decay", rec_decay, shape=(out.shape[0], HV), dtypes=(torch.float32,), device=dev)
-
+from .._library import define_op
+from .._validate import slot_values, window_bounds
+from .record import ReplayRecord
+from .window import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
+from .window import gdn_window_kernel  # noqa: F401  (scripts import it from here)
 
 # ----------------------------------------------------------------------------- the op
 
 
-def _gdn_verify_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+@define_op("gdn_verify", mutates_args=("out", "rec_u", "rec_k", "rec_decay"), cpu=gdn_window_cpu,
+           cuda=launch_gdn_window)
+def gdn_verify_op(
+    kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, state_indices: torch.Tensor, query_start_loc: torch.Tensor,
     out: torch.Tensor, rec_u: torch.Tensor, rec_k: torch.Tensor, rec_decay: torch.Tensor,
     scale: float, use_qk_l2norm: bool,
 ) -> None:
-    """``torch.ops.ssm_spec.gdn_verify``: docs/design.md section 4.1. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.gdn_verify``: docs/design.md section 4.1. ``kernel``: the CPU twin or
+    the CUDA launcher of the window kernel."""
     check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                query_start_loc, out, rec_u, rec_k, rec_decay)
-    gdn_window_cpu(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
-                   (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
-
-
-gdn_verify_op = torch.library.custom_op("ssm_spec::gdn_verify", mutates_args=("out", "rec_u", "rec_k", "rec_decay"))(
-    _gdn_verify_cpu)
-
-
-@gdn_verify_op.register_kernel("cuda")
-def _gdn_verify_cuda(q, k, v, g, beta, state, state_indices, query_start_loc, out, rec_u, rec_k,
-                     rec_decay, scale, use_qk_l2norm):
-    check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
-                               query_start_loc, out, rec_u, rec_k, rec_decay)
-    launch_gdn_window(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
-                      (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
-
-
-@gdn_verify_op.register_fake
-def _gdn_verify_fake(*args, **kwargs):
-    return None
-
-
-_eager.register("gdn_verify", cpu=_gdn_verify_cpu, cuda=_gdn_verify_cuda)
+    kernel(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
+           (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _eager
+from .._launch import commit_metadata_strides, strides
+from .._library import define_op
 from .._validate import (
     FLOAT_DTYPES,
     check_commit_metadata,
@@ -23,7 +24,7 @@ from .._validate import (
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
-from ..gdn.inner import next_power_of_2
+from ..gdn.tiles import next_power_of_2
 from .verify import conv_block_c
 
 # ----------------------------------------------------------------------------- Triton
@@ -99,12 +100,12 @@ def launch_short_conv_commit(conv_state, rec_x, query_start_loc, src_indices,
     BC = conv_block_c(C)
     grid = (triton.cdiv(C, BC), B, NL)
     short_conv_commit_kernel[grid](
-        conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
-        boundary_indices, boundary_offsets,
-        rec_x.shape[1], S, C, boundary_indices.shape[1],
-        *conv_state.stride(), rec_x.stride(0), rec_x.stride(1), rec_x.stride(2),
-        query_start_loc.stride(0), src_indices.stride(0), num_accepted_tokens.stride(0),
-        dst_indices.stride(0), *boundary_indices.stride(), *boundary_offsets.stride(),
+        cs_ptr=conv_state, rx_ptr=rec_x, qsl_ptr=query_start_loc, src_ptr=src_indices, n_ptr=num_accepted_tokens,
+        dst_ptr=dst_indices, bidx_ptr=boundary_indices, boff_ptr=boundary_offsets,
+        T=rec_x.shape[1], S=S, C=C, NBD=boundary_indices.shape[1],
+        **strides(conv_state, "s_csl", "s_css", "s_csj", "s_csc"), **strides(rec_x, "s_rxl", "s_rt", "s_rc"),
+        **commit_metadata_strides(query_start_loc, src_indices, num_accepted_tokens, dst_indices, boundary_indices,
+                                  boundary_offsets),
         LC=LC, BL=next_power_of_2(LC), BC=BC, num_warps=4,
     )
 
@@ -158,34 +159,19 @@ def check_short_conv_commit_structure(conv_state, rec_x, query_start_loc, src_in
 # ----------------------------------------------------------------------------- the op
 
 
-def _short_conv_commit_cpu(
-    conv_state: torch.Tensor, rec_x: torch.Tensor, query_start_loc: torch.Tensor,
+@define_op("short_conv_commit", mutates_args=("conv_state",), cpu=short_conv_commit_cpu,
+           cuda=launch_short_conv_commit)
+def short_conv_commit_op(
+    kernel, conv_state: torch.Tensor, rec_x: torch.Tensor, query_start_loc: torch.Tensor,
     src_indices: torch.Tensor, num_accepted_tokens: torch.Tensor, dst_indices: torch.Tensor,
     boundary_indices: torch.Tensor, boundary_offsets: torch.Tensor,
 ) -> None:
-    """``torch.ops.ssm_spec.short_conv_commit``: docs/design.md section 4.1. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.short_conv_commit``: docs/design.md section 4.1. ``kernel``: the CPU
+    twin or the CUDA launcher."""
     args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
             boundary_indices, boundary_offsets)
     check_short_conv_commit_structure(*args)
-    short_conv_commit_cpu(*args)
-
-
-short_conv_commit_op = torch.library.custom_op("ssm_spec::short_conv_commit", mutates_args=("conv_state",))(
-    _short_conv_commit_cpu)
-
-
-@short_conv_commit_op.register_kernel("cuda")
-def _short_conv_commit_cuda(*args):
-    check_short_conv_commit_structure(*args)
-    launch_short_conv_commit(*args)
-
-
-@short_conv_commit_op.register_fake
-def _short_conv_commit_fake(*args, **kwargs):
-    return None
-
-
-_eager.register("short_conv_commit", cpu=_short_conv_commit_cpu, cuda=_short_conv_commit_cuda)
+    kernel(*args)
 
 
 # ----------------------------------------------------------------------------- wrapper

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from ... import reference
-from .. import _eager
+from .._launch import strides
+from .._library import define_op
 from .._validate import (
     FLOAT_DTYPES,
     check_index,
@@ -24,7 +25,7 @@ from .._validate import (
     window_bounds,
 )
 from .._window import clamped_window, load_window
-from ..gdn.inner import next_power_of_2
+from ..gdn.tiles import next_power_of_2
 
 
 def conv_block_c(C: int) -> int:
@@ -89,10 +90,12 @@ def launch_short_conv_verify(x, weight, bias, conv_state, state_indices, query_s
     b = bias if has_bias else weight
     grid = (triton.cdiv(C, BC), B)
     short_conv_verify_kernel[grid](
-        x, weight, b, conv_state, state_indices, query_start_loc, out, rec_x,
-        T, conv_state.shape[0], C,
-        *x.stride(), *weight.stride(), b.stride(0), *conv_state.stride(), state_indices.stride(0),
-        query_start_loc.stride(0), *out.stride(), *rec_x.stride(),
+        x_ptr=x, w_ptr=weight, bias_ptr=b, cs_ptr=conv_state, idx_ptr=state_indices, qsl_ptr=query_start_loc,
+        out_ptr=out, rx_ptr=rec_x,
+        T=T, S=conv_state.shape[0], C=C,
+        **strides(x, "s_xt", "s_xc"), **strides(weight, "s_wc", "s_wj"), s_bias=b.stride(0),
+        **strides(conv_state, "s_cs", "s_cl", "s_cc"), s_idx=state_indices.stride(0),
+        s_qsl=query_start_loc.stride(0), **strides(out, "s_ot", "s_oc"), **strides(rec_x, "s_rt", "s_rc"),
         KS=KS, DIL=dilation, LC=(KS - 1) * dilation, BC=BC, HAS_BIAS=has_bias,
         SILU=activation == "silu", num_warps=4,
     )
@@ -149,34 +152,19 @@ def check_short_conv_verify_structure(x, weight, bias, conv_state, state_indices
 # ----------------------------------------------------------------------------- the op
 
 
-def _short_conv_verify_cpu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+@define_op("short_conv_verify", mutates_args=("out", "rec_x"), cpu=short_conv_verify_cpu,
+           cuda=launch_short_conv_verify)
+def short_conv_verify_op(
+    kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
     state_indices: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor,
     rec_x: torch.Tensor, dilation: int, activation: str,
 ) -> None:
-    """``torch.ops.ssm_spec.short_conv_verify``: docs/design.md section 4.1. CPU kernel; CUDA below."""
+    """``torch.ops.ssm_spec.short_conv_verify``: docs/design.md section 4.1. ``kernel``: the CPU
+    twin or the CUDA launcher."""
     args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
             activation)
     check_short_conv_verify_structure(*args)
-    short_conv_verify_cpu(*args)
-
-
-short_conv_verify_op = torch.library.custom_op("ssm_spec::short_conv_verify", mutates_args=("out", "rec_x"))(
-    _short_conv_verify_cpu)
-
-
-@short_conv_verify_op.register_kernel("cuda")
-def _short_conv_verify_cuda(*args):
-    check_short_conv_verify_structure(*args)
-    launch_short_conv_verify(*args)
-
-
-@short_conv_verify_op.register_fake
-def _short_conv_verify_fake(*args, **kwargs):
-    return None
-
-
-_eager.register("short_conv_verify", cpu=_short_conv_verify_cpu, cuda=_short_conv_verify_cuda)
+    kernel(*args)
 
 
 # ----------------------------------------------------------------------------- wrapper
