@@ -73,7 +73,8 @@ def draft_length(generation_config, kwargs) -> int:
 
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
-                     cuda_graphs: bool | None = None, mode: str | None = None, tp_group=None) -> nn.Module:
+                     cuda_graphs: bool | None = None, mode: str | None = None, decode_loop: bool | None = None,
+                     tp_group=None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -118,6 +119,13 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         mode: ``"exact"`` (the default: tokens equal plain greedy in fp32) or ``"fast"``: the
             closed-form verify (docs/design.md section 2.6; equal tokens up to the first near-tie).
             ``None`` keeps the current setting.
+        decode_loop: ``True`` (the default): ``generate`` runs ssm-spec's decode loop
+            (:mod:`ssm_spec.hf.loop`: plain decoding, prompt lookup and assistants, any batch
+            size, rounds on the device and, with ``cuda_graphs`` on CUDA, captured); a call with
+            an option the loop does not implement (beams, custom logits processors,
+            ``output_scores``, a cache passed in, ...) runs transformers' loop after one
+            ``RuntimeWarning`` naming the option. ``False``: always transformers' loop (with
+            the converted cache). ``None`` keeps the current setting.
         tp_group: a ``torch.distributed`` process group (first conversion only): every GDN
             layer keeps this rank's share of its heads (copies of its slices of the full
             layer's weights; ``RecoverGatedDeltaNet.shard_``), its states hold only those, and
@@ -141,7 +149,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     base = model._recoverssm.config if is_converted(model) else RecoverSSMConfig()
     try:
         config = base.replace(state_dtype=state_dtype, mode=mode,
-                              cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs))
+                              cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
+                              decode_loop=None if decode_loop is None else bool(decode_loop))
     except ValueError as exc:
         raise ValueError(str(exc).replace("RecoverSSMConfig:", "apply_recoverssm:", 1)) from None
     if cuda_graphs:
@@ -264,6 +273,22 @@ def _generate(self, *args, **kwargs):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
                          "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
                          "first")
+    if self._recoverssm.config.decode_loop:
+        from .loop import LoopFallback, blocker, custom_generate_for
+
+        reason = blocker(self, named, lambda name, default: _setting(self, gen_config, named, name, default))
+        if reason is None and named.get("custom_generate") is not None:
+            reason = "custom_generate="
+        if reason is None:
+            call = {k: v for k, v in named.items() if k not in ("self", "kwargs", "assistant_model", "streamer")}
+            try:
+                return original(self, **call,
+                                custom_generate=custom_generate_for(assistant, named.get("streamer")))
+            except LoopFallback as exc:
+                reason = str(exc)
+        if reason != "a call drafting for another model":
+            warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
+                          "loop does not implement it)", RuntimeWarning, stacklevel=3)
     k = draft_length(gen_config, named)
     drafting = k > 0 and not _is_assistant_call(gen_config, named)  # this call verifies drafts
     if drafting and self.device.type == "meta":

@@ -30,6 +30,9 @@ class RecoverSSMConfig:
             verify, docs/design.md section 2.6).
         cuda_graphs: ``generate`` replays forwards (and the decode loop's rounds) from CUDA
             graphs on CUDA devices.
+        decode_loop: ``generate`` runs ssm-spec's own decode loop (plain decoding, prompt lookup
+            and assistants at any batch size, docs/design.md section 7.7) instead of
+            transformers' loop, where the call's options allow it.
 
     New switches are added as fields with defaults, so configs built by keyword stay valid;
     :meth:`replace` gives an updated copy (validated again).
@@ -41,12 +44,14 @@ class RecoverSSMConfig:
     state_dtype: torch.dtype = torch.float32
     mode: str = "exact"
     cuda_graphs: bool = False
+    decode_loop: bool = True
 
     def __post_init__(self):
         check_state_dtype("RecoverSSMConfig", self.state_dtype)
         check_mode("RecoverSSMConfig", self.mode)
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"RecoverSSMConfig: cuda_graphs: got {self.cuda_graphs!r}; expected True or False")
+        for name in ("cuda_graphs", "decode_loop"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"RecoverSSMConfig: {name}: got {getattr(self, name)!r}; expected True or False")
 
     def replace(self, **changes) -> RecoverSSMConfig:
         """A copy with ``changes`` applied; ``None`` values keep the current setting."""
@@ -76,8 +81,10 @@ class RecoverSSMRuntime:
         kept: the graphed cache kept between ``generate`` calls (:class:`KeptCache`).
         experts_implementation: the model's own expert implementation while ``cuda_graphs``
             switched it (``None`` otherwise).
-        last_stats: the :class:`~ssm_spec.hf.AcceptanceStats` of the cache the last
-            ``generate`` call used.
+        last_stats: the :class:`~ssm_spec.hf.AcceptanceStats` of the last ``generate`` call
+            (its cache's, or the decode loop's).
+        loop / loop_key: the decode loop kept for the next call with the same key
+            (:class:`~ssm_spec.hf.loop.DecodeLoop`), and that key.
     """
 
     config: RecoverSSMConfig
@@ -85,6 +92,13 @@ class RecoverSSMRuntime:
     kept: KeptCache = field(default_factory=KeptCache)
     experts_implementation: object = None
     last_stats: object = None
+    loop: object = None
+    loop_key: object = None
+
+    def __deepcopy__(self, memo):
+        """A copy of the model starts without kept caches or loops (they hold graphs and buffers
+        of the original)."""
+        return RecoverSSMRuntime(self.config, self.cache_kwarg, experts_implementation=self.experts_implementation)
 
 
 def _runtime(model, caller: str) -> RecoverSSMRuntime:

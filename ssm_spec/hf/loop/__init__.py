@@ -1,0 +1,221 @@
+"""ssm-spec's own decode loop for ``generate`` on a converted model (docs/design.md section 7.7).
+
+transformers prepares the call as usual (generation config, special tokens, lengths, logits
+processors, stopping criteria) and hands it to :func:`loop_generate` through its
+``custom_generate`` hook; the loop then runs plain decoding, prompt lookup or an assistant's
+drafts for any batch size, every round on the device (:mod:`.runner`). A call the loop does not
+cover (:func:`blocker`, or a processor found at run time) goes to transformers' own loop with
+one warning that names the option.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .accept import Scoring, unsupported_processor
+from .assistant import AssistantDrafter
+from .lookup import PromptLookup
+from .runner import DecodeLoop
+
+__all__ = ["LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
+           "DecodeLoop", "PromptLookup", "AssistantDrafter", "Scoring"]
+
+#: Buffers hold a multiple of this many token columns, so calls of similar lengths share graphs.
+CAPACITY_ROUND = 256
+#: Stopping criteria the loop applies itself (a budget and end-of-sequence tokens).
+STOPPING = ("MaxLengthCriteria", "EosTokenCriteria")
+#: Generation-config settings that only transformers' loop implements, with the value that means "off".
+OFF = {"num_beams": 1, "output_scores": False, "output_logits": False, "output_attentions": False,
+       "output_hidden_states": False, "max_time": None, "stop_strings": None, "dola_layers": None,
+       "penalty_alpha": None, "guidance_scale": None, "watermarking_config": None, "token_healing": False,
+       "cache_implementation": None, "low_memory": None}
+#: ``generate`` arguments that only transformers' loop implements.
+ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "negative_prompt_ids",
+             "synced_gpus", "tokenizer", "assistant_tokenizer", "inputs_embeds")
+
+
+class LoopFallback(Exception):
+    """Raised inside the loop before anything runs: the call needs transformers' own loop."""
+
+
+def bucket_for(batch: int) -> int:
+    """The batch bucket of ``batch`` rows: the next power of two."""
+    return 1 << max(0, math.ceil(math.log2(max(1, batch))))
+
+
+def blocker(model, named: dict, setting) -> str | None:
+    """Why this ``generate`` call cannot run in the decode loop, in words that name the option;
+    ``None`` when it can. ``setting(name, default)`` resolves a generation setting as
+    transformers does (argument, passed config, model config)."""
+    for name in ARGUMENTS:
+        value = named.get(name)
+        if value is not None and not (name == "synced_gpus" and value is False) and not (
+                name in ("logits_processor", "stopping_criteria") and len(value) == 0):
+            return f"{name}="
+    for name, off in OFF.items():
+        value = setting(name, off)
+        if value != off and value is not None and not (off is None and value in (False, 0)):
+            return f"{name}={value!r}"
+    if not setting("use_cache", True):
+        return "use_cache=False"
+    if named.get("cache") is not None or named.get("past_key_values") is not None:
+        return "a cache passed to generate (it runs on that cache)"
+    if setting("is_assistant", False):
+        return "a call drafting for another model"
+    prompt = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.is_floating_point():
+        return "a prompt that is not a [batch, tokens] tensor of token ids"
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    from .forward import SUPPORTED_ATTENTION
+
+    if impl not in SUPPORTED_ATTENTION:
+        return f"attention implementation {impl!r}"
+    from ..placement import placement_problem
+
+    problem = placement_problem(model)
+    if problem is not None:
+        return problem
+    if any(getattr(m, "tp_group", None) is not None for m in model.modules()):
+        return "tensor parallelism (tp_group)"
+    assistant = named.get("assistant_model")
+    if assistant is not None:
+        if assistant.config.get_text_config().vocab_size != model.config.get_text_config().vocab_size:
+            return "an assistant with another vocabulary"
+        text = assistant.config.get_text_config()
+        if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True) is not False \
+                and "sliding_attention" in (getattr(text, "layer_types", None) or ["sliding_attention"]):
+            return "an assistant with sliding-window attention"
+        impl = getattr(assistant.config, "_attn_implementation", None) or "eager"
+        if impl not in SUPPORTED_ATTENTION:
+            return f"an assistant with attention implementation {impl!r}"
+    return None
+
+
+def custom_generate_for(assistant, streamer):
+    """The callable ``generate(custom_generate=...)`` takes, with the call's assistant and
+    streamer bound (transformers passes a callable neither)."""
+    return functools.partial(loop_generate, ssm_assistant=assistant, ssm_streamer=streamer)
+
+
+def _prompt_padding(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
+    mask = attention_mask.to(torch.bool)
+    if bool((~mask[:, -1]).any()):
+        raise LoopFallback("right padding in the attention mask")
+    pad = (~mask).sum(-1)
+    if bool((mask.cumsum(-1) != (torch.arange(mask.shape[1], device=mask.device)[None, :] - pad[:, None] + 1)
+             .clamp_min(0)).any()):
+        raise LoopFallback("an attention mask with gaps (not left padding)")
+    return pad.to(torch.int64)
+
+
+def _budgets(processors, stopping, prompt_len: int) -> tuple[int, int, int]:
+    """``(max_new, min_new, min_length)`` from transformers' prepared criteria and processors."""
+    max_length = None
+    for c in stopping:
+        name = type(c).__name__
+        if name not in STOPPING:
+            raise LoopFallback(f"stopping criterion {name}")
+        if name == "MaxLengthCriteria":
+            max_length = c.max_length if max_length is None else min(max_length, c.max_length)
+    if max_length is None:
+        raise LoopFallback("no max_length / max_new_tokens")
+    min_new = min_length = 0
+    for p in processors:
+        if type(p).__name__ == "MinNewTokensLengthLogitsProcessor":
+            min_new = max(min_new, int(p.min_new_tokens) + int(p.prompt_length_to_skip) - prompt_len)
+        elif type(p).__name__ == "MinLengthLogitsProcessor":
+            min_length = max(min_length, int(p.min_length))
+    return max(0, max_length - prompt_len), min_new, min_length
+
+
+def _eos(generation_config, device) -> torch.Tensor:
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    if eos is None:
+        eos = generation_config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        eos = torch.tensor(eos, dtype=torch.int64)
+    return eos.reshape(-1).to(device=device, dtype=torch.int64)
+
+
+def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling):
+    from ..config import recoverssm_config
+    from ..apply import is_converted, DEFAULT_NUM_ASSISTANT_TOKENS
+
+    k = getattr(generation_config, "prompt_lookup_num_tokens", None)
+    if k:
+        return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)
+    if assistant is None:
+        return None
+    k = int(getattr(assistant.generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+    config = recoverssm_config(assistant) if is_converted(assistant) else None
+    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode)
+    return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
+
+
+def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                  ssm_assistant=None, ssm_streamer=None, **model_kwargs):
+    """``generate``'s decoding step on a converted model, as transformers' ``custom_generate``
+    calls it after preparing the call. Returns ``sequences [B, P + new]`` (or
+    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``).
+
+    Raises:
+        LoopFallback: the prepared call has a processor or stopping criterion the loop does
+            not implement (raised before anything runs; the converted ``generate`` then runs
+            transformers' loop).
+        ValueError: an empty prompt.
+    """
+    from ..config import recoverssm_config
+
+    processors = list(logits_processor or [])
+    name = unsupported_processor(processors)
+    if name is not None:
+        raise LoopFallback(f"logits processor {name}")
+    B, P = input_ids.shape
+    if P == 0:
+        raise ValueError("generate: the prompt has no tokens; give at least one (a BOS token, say)")
+    max_new, min_new, min_length = _budgets(processors, list(stopping_criteria or []), P)
+    pad = _prompt_padding(input_ids, model_kwargs.get("attention_mask"))
+    device = model.get_input_embeddings().weight.device
+    eos = _eos(generation_config, device)
+    sampling = bool(generation_config.do_sample)
+    pad_id = generation_config.pad_token_id
+    pad_id = int(pad_id) if pad_id is not None else (int(eos[0]) if eos.numel() else 0)
+    config = recoverssm_config(model)
+    runtime = model._recoverssm
+    bucket = bucket_for(B)
+    k_max = max(int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0),
+                int(getattr(getattr(ssm_assistant, "generation_config", None), "num_assistant_tokens", None) or 0)
+                if ssm_assistant is not None else 0)
+    need = P + max_new + k_max + 2
+    capacity = -(-need // CAPACITY_ROUND) * CAPACITY_ROUND
+    scoring = Scoring(processors, eos)
+    weight = model.get_input_embeddings().weight
+    key_base = (bucket, scoring.key(), sampling, tuple(eos.tolist()), pad_id, config, weight.dtype,
+                torch.is_inference_mode_enabled(), tuple(p.data_ptr() for p in model.parameters()),
+                None if ssm_assistant is None else tuple(p.data_ptr() for p in ssm_assistant.parameters()),
+                getattr(generation_config, "prompt_lookup_num_tokens", None),
+                getattr(generation_config, "max_matching_ngram_size", None),
+                None if ssm_assistant is None else getattr(ssm_assistant.generation_config, "num_assistant_tokens", None))
+    loop = runtime.loop
+    if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
+        runtime.loop = loop = None  # free the old buffers before the new ones
+        drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling)
+        loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
+                          state_dtype=config.state_dtype, mode=config.mode)
+        runtime.loop, runtime.loop_key = loop, key_base
+    if ssm_streamer is not None:
+        ssm_streamer.put(input_ids.cpu())
+    sequences, stats = loop.run(input_ids.to(device), pad.to(device), max_new, min_new, min_length, ssm_streamer)
+    if ssm_streamer is not None:
+        ssm_streamer.end()
+    runtime.last_stats = stats
+    if generation_config.return_dict_in_generate:
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        return GenerateDecoderOnlyOutput(sequences=sequences)
+    return sequences

@@ -1,0 +1,81 @@
+"""A Hugging Face causal LM's forward as the decode loop runs it: explicit per-row columns,
+positions and masks over fixed buffers (:class:`~ssm_spec.hf.loop.cache.LoopCache`).
+
+A query at column ``q`` of row ``b`` attends to the row's columns ``pad[b] .. q`` (a padding
+column attends to itself only, so no softmax row is empty); its rotary position is
+``q - pad[b]``, the position the row has in a batch of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..apply import cache_kwarg
+from .cache import LoopCache
+
+__all__ = ["LoopModel", "SUPPORTED_ATTENTION"]
+
+#: Attention implementations whose mask format the loop builds.
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+class LoopModel:
+    """One model (the target or an assistant) inside the decode loop.
+
+    Args:
+        model: the Hugging Face causal LM (converted, or without GatedDeltaNet layers).
+        batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int, max_window: int, *, state_dtype=torch.float32,
+                 mode: str = "exact"):
+        self.model = model
+        self.cache = LoopCache(model, batch_size, capacity, max_window, state_dtype=state_dtype, mode=mode)
+        self.key = cache_kwarg(model)
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.sdpa = impl == "sdpa"
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.dict_mask = bool(self.cache.adapters)  # the hybrid decoders take a mask per layer type
+        self._arange = torch.arange(capacity, device=self.cache.device)
+
+    def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        c = self._arange[None, None, None, :]
+        q = columns[:, None, :, None]
+        allowed = ((c >= pad[:, None, None, None]) & (c <= q)) | (c == q)
+        if self.sdpa:
+            return allowed
+        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
+        return zero.masked_fill(~allowed, torch.finfo(self.dtype).min)
+
+    def _forward(self, tokens: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, keep: int) -> torch.Tensor:
+        mask = self._mask(columns, pad)
+        if self.dict_mask:
+            mask = {"full_attention": mask, "linear_attention": None}
+        out = type(self.model).forward(self.model, input_ids=tokens, position_ids=columns - pad[:, None],
+                                       attention_mask=mask, use_cache=True, logits_to_keep=keep, return_dict=True,
+                                       **{self.key: self.cache})
+        return out.logits
+
+    def prefill(self, rows, width: int, lengths: list[int]) -> torch.Tensor | None:
+        """Feed each row's first ``width`` columns from the zero state (``lengths[b]``: the row's
+        real tokens among them, after its padding); returns the last column's logits
+        ``[B, 1, V]`` (``None`` when ``width`` is 0: nothing to feed)."""
+        self.cache.reset_states()
+        if width == 0:
+            return None
+        B = rows.batch_size
+        columns = rows.columns[:width][None, :].expand(B, width)
+        self.cache.prefill_step(lengths, columns)
+        return self._forward(rows.tokens[:, :width], columns, rows.pad, keep=1)
+
+    def verify(self, tokens: torch.Tensor, columns: torch.Tensor, rows, active: torch.Tensor):
+        """One verify forward of ``tokens [B, W]`` at ``columns [B, W]`` from each active row's
+        state (read only); returns ``(logits [B, W, V], the step's metadata)`` for
+        :meth:`commit`."""
+        md = self.cache.verify_metadata(active, tokens.shape[1])
+        self.cache.verify_step(md, columns)
+        return self._forward(tokens, columns, rows.pad, keep=0), md
+
+    def commit(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
+        """Keep each row's first ``num_accepted_tokens[b]`` tokens of that verify."""
+        self.cache.commit(metadata, num_accepted_tokens.to(torch.int32))

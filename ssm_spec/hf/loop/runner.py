@@ -1,0 +1,170 @@
+"""The decode loop itself: a round on the device, captured as one CUDA graph per bucket and
+drafter, replayed several times between host reads (docs/design.md section 7.7).
+
+A round: the drafter's proposals (none for plain decoding), the target's verify forward of
+``k + 1`` tokens per row from its kept state, the scores and acceptance, the tokens appended to
+each row (stopping at end-of-sequence tokens and budgets), the target's RecoverSSM commit of the
+kept window tokens, the assistant's commit, the acceptance counters. Nothing in it reads a value
+back on the host, so a round is one CUDA graph; the host replays a batch of rounds and then
+reads one flag (are all rows finished?) and the rows' counts. Off CUDA, or without
+``cuda_graphs``, the same round runs eagerly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...capture import GraphCapture
+from ..cache import AcceptanceStats
+from .accept import accept_greedy, accept_matching, accept_rejection, draw
+from .forward import LoopModel
+from .rows import Rows
+
+__all__ = ["DecodeLoop", "MAX_ROUNDS_PER_READ", "PLAIN_ROUNDS_PER_GRAPH"]
+
+#: The most rounds the host queues before it reads whether every row has finished.
+MAX_ROUNDS_PER_READ = 64
+#: Plain decoding (no drafter) captures this many one-token rounds in one graph.
+PLAIN_ROUNDS_PER_GRAPH = 4
+
+
+class DecodeLoop:
+    """The loop for one batch bucket, target, drafter and scoring; kept on the model and reused
+    by later calls with the same key (its graphs stay valid: they read fixed buffers).
+
+    Args:
+        model: the converted target.
+        batch_size: the bucket's rows.
+        capacity: token columns of the buffers.
+        drafter: a drafter (:class:`~ssm_spec.hf.loop.lookup.PromptLookup`,
+            :class:`~ssm_spec.hf.loop.assistant.AssistantDrafter`, ...) or ``None``.
+        scoring: the :class:`~ssm_spec.hf.loop.accept.Scoring` of the call.
+        sampling: sample (``do_sample=True``) instead of greedy.
+        eos: ``[E]`` int64 end-of-sequence ids.
+        pad_token_id: filler after a row's end.
+        graphs: capture rounds as CUDA graphs (a CUDA model only).
+        state_dtype / mode: the target's recurrent states.
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int, drafter, scoring, sampling: bool, eos: torch.Tensor,
+                 pad_token_id: int, *, graphs: bool, state_dtype=torch.float32, mode: str = "exact"):
+        self.drafter, self.scoring, self.sampling, self.eos = drafter, scoring, sampling, eos
+        self.k = 0 if drafter is None else drafter.k
+        self.target = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode)
+        device = self.target.cache.device
+        self.rows = Rows(batch_size, capacity, device, pad_token_id)
+        self.graphs = graphs and device.type == "cuda"
+        self.per_graph = 1 if drafter is not None else PLAIN_ROUNDS_PER_GRAPH
+        self.graph = None
+        self._capture = GraphCapture(device, "decode loop") if self.graphs else None
+        k = max(self.k, 1)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.counters = {"rounds": torch.zeros((), **i64), "empty_rounds": torch.zeros((), **i64),
+                         "drafted": torch.zeros((), **i64), "accepted": torch.zeros((), **i64),
+                         "offered": torch.zeros(k, **i64), "per_position": torch.zeros(k, **i64)}
+        self.replays = 0
+        self.eager_rounds = 0
+
+    # ------------------------------------------------------------------ one round
+    def _round(self) -> None:
+        rows, target = self.rows, self.target
+        active = ~rows.finished
+        if self.drafter is None:
+            columns = rows.window_columns(1)
+            logits, md = target.verify(rows.window_tokens(columns), columns, rows, active)
+            n = rows.append(self._choose(self.scoring(logits, rows)), torch.ones_like(rows.produced), self.eos)
+            target.commit(md, n)
+            return
+        drafts, num_drafts, probs = self.drafter.propose(rows)
+        tokens = torch.cat([rows.last_token()[:, None], drafts], dim=1)
+        columns = rows.window_columns(self.k + 1)
+        logits, md = target.verify(tokens, columns, rows, active)
+        scores = self.scoring(logits, rows)
+        if not self.sampling:
+            emitted, a = accept_greedy(drafts, num_drafts, scores)
+        elif probs is None:
+            emitted, a = accept_matching(drafts, num_drafts, scores)
+        else:
+            emitted, a = accept_rejection(drafts, num_drafts, scores, probs)
+        n = rows.append(emitted, a + 1, self.eos)
+        target.commit(md, n)
+        if hasattr(self.drafter, "accept"):
+            self.drafter.accept(a, active)
+        self._count(active, num_drafts, a)
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The next token at every position of ``scores [B, W, V]``: drawn, or the argmax."""
+        return draw(torch.softmax(scores, -1)) if self.sampling else scores.argmax(-1)
+
+    def _count(self, active, num_drafts, a) -> None:
+        c = self.counters
+        act = active.to(torch.int64)
+        pos = torch.arange(self.k, device=a.device)[None, :]
+        c["rounds"] += act.sum()
+        c["empty_rounds"] += (act * (num_drafts == 0)).sum()
+        c["drafted"] += (act * num_drafts).sum()
+        c["accepted"] += (act * a).sum()
+        c["offered"] += (act[:, None] * (pos < num_drafts[:, None])).sum(0)
+        c["per_position"] += (act[:, None] * (pos < a[:, None])).sum(0)
+
+    def _rounds(self) -> None:
+        for _ in range(self.per_graph):
+            self._round()
+
+    # ------------------------------------------------------------------ capture
+    def _ensure_graph(self) -> None:
+        """Capture the round(s) once, on padding rows only, before a sequence's prefill: every
+        buffer the graph reads is then reloaded in place, and nothing it writes while capturing
+        is kept."""
+        if not self.graphs or self.graph is not None:
+            return
+        self.rows.finished.fill_(True)
+        self._capture.warmup(self._rounds, what="a round")
+        self.graph, _ = self._capture.capture(self._rounds, what="a round")
+
+    # ------------------------------------------------------------------ a call
+    def run(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int,
+            streamer=None) -> tuple[torch.Tensor, AcceptanceStats | None]:
+        """Generate for the rows of ``prompt [b, P]`` (``b`` <= the bucket; left padded by
+        ``pad [b]``). Returns ``(sequences [b, P + new], stats)`` as ``generate`` returns them
+        (rows that end early padded with the pad id)."""
+        rows = self.rows
+        b, P = prompt.shape
+        self._ensure_graph()
+        for t in self.counters.values():
+            t.zero_()
+        rows.load(prompt, pad, max_new, min_new, min_length)
+        lengths = (P - pad).tolist() + [0] * (rows.batch_size - b)
+        logits = self.target.prefill(rows, P, lengths)
+        rows.append(self._choose(self.scoring(logits, rows)), torch.ones_like(rows.produced), self.eos)
+        if self.drafter is not None and hasattr(self.drafter, "start"):
+            self.drafter.start(rows, P - 1, lengths)
+        sent = 0
+        while True:
+            done = bool(rows.finished[:b].all())
+            produced = rows.produced[:b].tolist()
+            if streamer is not None and b == 1 and produced[0] > sent:
+                streamer.put(rows.tokens[0, P + sent:P + produced[0]].cpu())
+                sent = produced[0]
+            if done:
+                break
+            left = min(max_new - p for p, f in zip(produced, rows.finished[:b].tolist()) if not f)
+            rounds = max(1, min(MAX_ROUNDS_PER_READ, math.ceil(left / (self.k + 1))))
+            for _ in range(math.ceil(rounds / self.per_graph)):
+                if self.graph is not None:
+                    self.graph.replay()
+                    self.replays += 1
+                else:
+                    self._rounds()
+                    self.eager_rounds += self.per_graph
+        sequences = rows.tokens[:b, :P + max(produced)].clone()
+        return sequences, self._stats()
+
+    def _stats(self) -> AcceptanceStats | None:
+        if self.drafter is None:
+            return None
+        c = {name: t.tolist() for name, t in self.counters.items()}
+        return AcceptanceStats(rounds=c["rounds"], empty_rounds=c["empty_rounds"], drafted=c["drafted"],
+                               accepted=c["accepted"], per_position=c["per_position"], offered=c["offered"])
