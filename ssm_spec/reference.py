@@ -23,6 +23,7 @@ __all__ = [
     "short_conv_native_step",
     "ShortConvNativeResult",
     "L2NORM_EPS",
+    "gdn_native_step_rows",
 ]
 
 #: epsilon inside the square root of the q/k L2 normalisation (docs/design.md section 2.1; the value
@@ -105,6 +106,34 @@ def gdn_window_inputs(name, q, k, v, g, beta, initial_state, scale, use_qk_l2nor
     khat = l2norm(kf) if use_qk_l2norm else kf
     qhat = (l2norm(qf) if use_qk_l2norm else qf) * scale
     return cd, khat, qhat, vf, gf, bf, initial_state.to(cd)
+
+
+def gdn_native_step_rows(q, k, v, g, beta, initial_states, scale=None, use_qk_l2norm=True, dtype=None):
+    """:func:`gdn_native_step` over ``R`` rows of one length at once, keeping final states only:
+    ``q, k [R, L, H, K]``, ``v [R, L, HV, V]``, ``g, beta [R, L, HV]``, ``initial_states
+    [R, HV, K, V]``. Every value head is independent, so the rows' heads are stacked into one
+    sequence of ``R * H`` key heads and each row gets exactly (bit for bit) what it gets alone.
+
+    Returns:
+        :class:`GDNNativeResult` with a leading row dim: ``out, u [R, L, HV, V]``, ``khat
+        [R, L, H, K]``, ``decay [R, L, HV]``, ``states [R, HV, K, V]`` (the final states).
+    """
+    R, L, H = q.shape[:3]
+    HV = v.shape[2]
+
+    def heads(x):  # [R, L, N, ...] -> [L, R * N, ...]
+        return x.transpose(0, 1).reshape(L, R * x.shape[2], *x.shape[3:])
+
+    res = gdn_native_step(heads(q), heads(k), heads(v), heads(g[..., None])[..., 0], heads(beta[..., None])[..., 0],
+                          initial_states.reshape(R * HV, *initial_states.shape[2:]), scale=scale,
+                          use_qk_l2norm=use_qk_l2norm, dtype=dtype, keep_states=False)
+
+    def rows(x, n):  # [L, R * n, ...] -> [R, L, n, ...]
+        return x.reshape(L, R, n, *x.shape[2:]).transpose(0, 1)
+
+    final = res.states[-1] if L else initial_states.reshape(R * HV, *initial_states.shape[2:]).to(res.out.dtype)
+    return GDNNativeResult(out=rows(res.out, HV), states=final.reshape(R, HV, *final.shape[1:]), u=rows(res.u, HV),
+                           khat=rows(res.khat, H), decay=rows(res.decay[..., None], HV)[..., 0])
 
 
 class GDNNativeResult(NamedTuple):

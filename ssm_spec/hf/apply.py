@@ -274,7 +274,7 @@ def _generate(self, *args, **kwargs):
                          "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
                          "first")
     if self._recoverssm.config.decode_loop:
-        from .loop import LoopFallback, blocker, custom_generate_for
+        from .loop import ASSISTANT_CALL, LoopFallback, blocker, custom_generate_for
 
         reason = blocker(self, named, lambda name, default: _setting(self, gen_config, named, name, default))
         if reason is None and named.get("custom_generate") is not None:
@@ -286,7 +286,7 @@ def _generate(self, *args, **kwargs):
                                 custom_generate=custom_generate_for(assistant, named.get("streamer")))
             except LoopFallback as exc:
                 reason = str(exc)
-        if reason != "a call drafting for another model":
+        if reason != ASSISTANT_CALL:
             warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
                           "loop does not implement it)", RuntimeWarning, stacklevel=3)
     k = draft_length(gen_config, named)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..metadata import RecoverSSMMetadata
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
-from .prefill import gdn_prefill_row
+from .prefill import gdn_prefill_row, gdn_prefill_rows_batched, uses_fla
 from .short_conv import check_inference, run_short_conv
 from .tensor_parallel import all_reduce_, shard_gdn_, tp_share
 
@@ -193,6 +193,26 @@ class RecoverGatedDeltaNet(nn.Module):
         T, HV, V = core.shape
         return self.out_proj(self.norm(core.reshape(T * HV, V), z.reshape(T * HV, V)).reshape(T, self.value_dim))
 
+    @staticmethod
+    def _prefill_batched(rows, q, k, v, g, beta, state, core, scale):
+        """Prefill the rows without boundaries in groups of equal length (one token loop per
+        group, :func:`gdn_prefill_rows_batched`); returns the rows left for the per-row path."""
+        groups: dict[int, list] = {}
+        rest = []
+        for row in rows:
+            (rest if row.boundaries else groups.setdefault(row.eos - row.bos, [])).append(row)
+        for length, group in groups.items():
+            if len(group) == 1:
+                rest.extend(group)
+                continue
+            idx = torch.stack([torch.arange(r.bos, r.eos, device=q.device) for r in group])  # [R, L]
+            init = torch.stack([state[r.src].float() if r.src >= 0 else
+                                state.new_zeros(state.shape[1:], dtype=torch.float32) for r in group])
+            out, final = gdn_prefill_rows_batched(q[idx], k[idx], v[idx], g[idx], beta[idx], init, scale)
+            core[idx.reshape(-1)] = out.reshape(-1, *out.shape[2:]).to(core.dtype)
+            state[torch.tensor([r.dst for r in group], device=state.device)] = final.to(state.dtype)
+        return rest
+
     def forward(self, hidden: torch.Tensor, metadata: RecoverSSMMetadata, pool: StatePool) -> torch.Tensor:
         """``hidden [T, hidden]`` -> ``[T, hidden]`` for the step described by ``metadata``.
         Args:
@@ -247,7 +267,10 @@ class RecoverGatedDeltaNet(nn.Module):
             args = (q[span], k[span], v[span], g[span], beta[span], state, metadata.verify_indices,
                     metadata.verify_query_start_loc)
             protocol.verify(pool, self, args, core[span], metadata, plan, scale)
-        for row in metadata.prefill_rows:
+        rows = metadata.prefill_rows
+        if len(rows) > 1 and not uses_fla(q, v):  # the reference's token loop: rows of one length at once
+            rows = self._prefill_batched(rows, q, k, v, g, beta, state, core, scale)
+        for row in rows:
             init = state[row.src].float() if row.src >= 0 else state.new_zeros(state.shape[1:], dtype=torch.float32)
             sl = slice(row.bos, row.eos)
             out, final, bounds = gdn_prefill_row(q[sl], k[sl], v[sl], g[sl], beta[sl], init,

@@ -46,6 +46,23 @@ def gdn_prefill_segment(q, k, v, g, beta, initial_state, scale):
     return res.out, res.states[-1]
 
 
+def uses_fla(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether :func:`gdn_prefill_segment` runs fla-core's kernel for these inputs."""
+    return q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16 and _fla_chunk() is not None
+
+
+def gdn_prefill_rows_batched(q, k, v, g, beta, initial_states, scale):
+    """The reference prefill of ``R`` rows of one length at once (``q, k [R, L, H, K]``, ``v
+    [R, L, HV, V]``, ``g, beta [R, L, HV]``, ``initial_states [R, HV, K, V]``;
+    :func:`ssm_spec.reference.gdn_native_step_rows`): each row gets what
+    :func:`gdn_prefill_segment` gives it alone, from one token loop.
+
+    Returns ``(out [R, L, HV, V] fp32, final_states [R, HV, K, V] fp32)``.
+    """
+    res = reference.gdn_native_step_rows(q, k, v, g, beta, initial_states.float(), scale=scale, dtype=torch.float32)
+    return res.out, res.states
+
+
 def gdn_prefill_row(q, k, v, g, beta, initial_state, boundaries, scale):
     """The whole row, split at ``boundaries`` (offsets, ascending).
 
@@ -77,3 +94,15 @@ def conv_prefill_row(x, weight, bias, initial_state, dilation, activation, bound
     if activation == "silu":
         y = F.silu(y)
     return y.to(x.dtype), hist[hist.shape[0] - lc:], [hist[off:off + lc] for off in boundaries]
+
+
+def conv_prefill_rows(x, weight, bias, initial_states, dilation, activation):
+    """:func:`conv_prefill_row` for ``R`` rows of one length at once (``x [R, L, C]``,
+    ``initial_states [R, Lc, C]``), one batched conv. Returns ``(out [R, L, C], final [R, Lc, C])``."""
+    lc = initial_states.shape[1]
+    hist = torch.cat([initial_states.to(x.dtype), x], dim=1)  # [R, Lc + L, C]
+    y = F.conv1d(hist.transpose(1, 2).float(), weight.float()[:, None, :], None if bias is None else bias.float(),
+                 dilation=dilation, groups=x.shape[2]).transpose(1, 2)
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(x.dtype), hist[:, hist.shape[1] - lc:]

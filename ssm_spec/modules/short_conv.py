@@ -10,7 +10,7 @@ from torch import nn
 from ..metadata import RecoverSSMMetadata
 from ..ops import _eager
 from ..pools import ConvStateSpec, StatePool
-from .prefill import conv_prefill_row
+from .prefill import conv_prefill_row, conv_prefill_rows
 from .tensor_parallel import all_gather_channels, shard_short_conv_, tp_share
 
 __all__ = ["RecoverShortConv", "run_short_conv"]
@@ -23,6 +23,26 @@ def check_inference(name: str, x: torch.Tensor, module) -> None:
         raise ValueError(f"{name}: called with grad mode on and tensors that require grad; expected "
                          "inference (torch.no_grad() or torch.inference_mode()): the kernels have no "
                          "autograd formula")
+
+
+def _prefill_batched(rows, x, weight, bias, conv_state, out, dilation, activation):
+    """The prefill rows without boundaries in groups of one length, each group one batched
+    conv (:func:`conv_prefill_rows`); returns the rows left for the per-row path."""
+    groups: dict[int, list] = {}
+    rest = []
+    for row in rows:
+        (rest if row.boundaries else groups.setdefault(row.eos - row.bos, [])).append(row)
+    for length, group in groups.items():
+        if len(group) == 1:
+            rest.extend(group)
+            continue
+        idx = torch.stack([torch.arange(r.bos, r.eos, device=x.device) for r in group])
+        init = torch.stack([conv_state[r.src] if r.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
+                            for r in group])
+        y, final = conv_prefill_rows(x[idx], weight, bias, init, dilation, activation)
+        out[idx.reshape(-1)] = y.reshape(-1, y.shape[-1])
+        conv_state[torch.tensor([r.dst for r in group], device=conv_state.device)] = final.to(conv_state.dtype)
+    return rest
 
 
 def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetadata, dilation, activation,
@@ -49,7 +69,10 @@ def run_short_conv(x, weight, bias, conv_state, rec_x, metadata: RecoverSSMMetad
                     metadata.verify_query_start_loc, out[span], rec_x[:V], dilation, activation)
         if pool is not None:
             pool.protocol.conv_verified(pool, conv_state, rec_x[:V], metadata)
-    for row in metadata.prefill_rows:
+    rows = metadata.prefill_rows
+    if len(rows) > 1:
+        rows = _prefill_batched(rows, x, weight, bias, conv_state, out, dilation, activation)
+    for row in rows:
         init = conv_state[row.src] if row.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
         y, final, bounds = conv_prefill_row(x[row.bos:row.eos], weight, bias, init, dilation, activation,
                                             [off for off, _ in row.boundaries])

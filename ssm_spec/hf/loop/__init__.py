@@ -20,7 +20,7 @@ from .assistant import AssistantDrafter
 from .lookup import PromptLookup
 from .runner import DecodeLoop
 
-__all__ = ["LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
+__all__ = ["ASSISTANT_CALL", "LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
            "DecodeLoop", "PromptLookup", "AssistantDrafter", "Scoring"]
 
 #: Buffers hold a multiple of this many token columns, so calls of similar lengths share graphs.
@@ -37,6 +37,10 @@ ARGUMENTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn"
              "synced_gpus", "tokenizer", "assistant_tokenizer", "inputs_embeds")
 
 
+#: :func:`blocker`'s reason for a call transformers' assisted loop makes to its assistant (no warning).
+ASSISTANT_CALL = "a call drafting for another model"
+
+
 class LoopFallback(Exception):
     """Raised inside the loop before anything runs: the call needs transformers' own loop."""
 
@@ -50,6 +54,8 @@ def blocker(model, named: dict, setting) -> str | None:
     """Why this ``generate`` call cannot run in the decode loop, in words that name the option;
     ``None`` when it can. ``setting(name, default)`` resolves a generation setting as
     transformers does (argument, passed config, model config)."""
+    if setting("is_assistant", False):
+        return ASSISTANT_CALL
     for name in ARGUMENTS:
         value = named.get(name)
         if value is not None and not (name == "synced_gpus" and value is False) and not (
@@ -63,8 +69,6 @@ def blocker(model, named: dict, setting) -> str | None:
         return "use_cache=False"
     if named.get("cache") is not None or named.get("past_key_values") is not None:
         return "a cache passed to generate (it runs on that cache)"
-    if setting("is_assistant", False):
-        return "a call drafting for another model"
     prompt = named.get("inputs") if named.get("inputs") is not None else named.get("input_ids")
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.is_floating_point():
         return "a prompt that is not a [batch, tokens] tensor of token ids"

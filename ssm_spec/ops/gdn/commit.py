@@ -152,11 +152,14 @@ def gdn_commit_cpu(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
     dsts = dst_indices.tolist()
     bidx = boundary_indices.tolist()
     boff = boundary_offsets.tolist()
+    rows = []
     for b, src in enumerate(src_indices.tolist()):
         bos, eos = clamped_window(qsl, b, T)
         n = clamped_count(counts[b], bos, eos)
-        if n == 0 or not 0 <= src < S:
-            continue
+        if n and 0 <= src < S:
+            rows.append((b, src, bos, n))
+    rows = _commit_rows_batched(rows, state, rec_u, rec_k, rec_decay, dsts, bidx, group)
+    for b, src, bos, n in rows:
         for layer in range(NL):
             h = state[layer, src].to(torch.float32).clone()
             for t in range(n):
@@ -169,6 +172,37 @@ def gdn_commit_cpu(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
                         state[layer, bidx[b][j]] = h
             if 0 <= dsts[b] < S:
                 state[layer, dsts[b]] = h
+
+
+def _commit_rows_batched(rows, state, rec_u, rec_k, rec_decay, dsts, bidx, group):
+    """:func:`gdn_commit_cpu`'s rows without boundary entries in groups of one count, every layer
+    of a group replayed at once (the same elementwise expressions per element, so each state
+    gets exactly what it gets alone); returns the rows left for the per-row path."""
+    S = state.shape[1]
+    groups: dict[int, list] = {}
+    rest = []
+    for row in rows:
+        b = row[0]
+        (rest if any(0 <= i < S for i in bidx[b]) else groups.setdefault(row[3], [])).append(row)
+    for n, members in groups.items():
+        if len(members) == 1:
+            rest.extend(members)
+            continue
+        srcs = torch.tensor([src for _, src, _, _ in members], device=state.device)
+        h = state[:, srcs].to(torch.float32)  # [NL, R, HV, K, V]
+        NL, R, HV = h.shape[:3]
+        h = h.reshape(NL * R * HV, *h.shape[3:])
+        for t in range(n):
+            tok = torch.tensor([bos + t for _, _, bos, _ in members], device=state.device)
+            k = rec_k[:, tok].repeat_interleave(group, 2).reshape(NL * R * HV, -1)
+            h = reference.gdn_replay_update(h, k, rec_u[:, tok].reshape(NL * R * HV, -1),
+                                            rec_decay[:, tok].reshape(NL * R * HV))
+        h = h.reshape(NL, R, HV, *h.shape[1:])
+        keep = [i for i, (b, _, _, _) in enumerate(members) if 0 <= dsts[b] < S]
+        if keep:
+            dst = torch.tensor([dsts[members[i][0]] for i in keep], device=state.device)
+            state[:, dst] = h[:, keep].to(state.dtype)
+    return rest
 
 
 # ----------------------------------------------------------------------------- checks

@@ -238,10 +238,14 @@ def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapsh
     T, S = q.shape[0], state.shape[0]
     qsl = query_start_loc.tolist()
     snaps = snapshot_indices.tolist() if snapshot_indices is not None else None
+    rows = []
     for b, slot in enumerate(src_indices.tolist()):
         bos, eos = clamped_window(qsl, b, T)
-        if not 0 <= slot < S or eos == bos:
-            continue
+        if 0 <= slot < S and eos > bos:
+            rows.append((slot, bos, eos))
+    if snaps is None:  # rows of one window length at once (bit for bit what each gets alone)
+        rows = _window_rows_batched(rows, q, k, v, g, beta, state, out, record, scale, use_qk_l2norm)
+    for slot, bos, eos in rows:
         res = reference.gdn_native_step(
             q[bos:eos], k[bos:eos], v[bos:eos], g[bos:eos], beta[bos:eos], state[slot],
             scale=scale, use_qk_l2norm=use_qk_l2norm, dtype=torch.float32,
@@ -255,6 +259,30 @@ def gdn_window_cpu(q, k, v, g, beta, state, src_indices, query_start_loc, snapsh
             for t in range(bos, eos):
                 if 0 <= snaps[t] < S:
                     state[snaps[t]] = res.states[t - bos]
+
+
+def _window_rows_batched(rows, q, k, v, g, beta, state, out, record, scale, use_qk_l2norm):
+    """:func:`gdn_window_cpu`'s rows in groups of one window length, each group one token loop
+    (:func:`reference.gdn_native_step_rows`); returns the rows left alone in their group."""
+    groups: dict[int, list] = {}
+    for row in rows:
+        groups.setdefault(row[2] - row[1], []).append(row)
+    rest = []
+    for length, group in groups.items():
+        if len(group) == 1:
+            rest.extend(group)
+            continue
+        idx = torch.stack([torch.arange(bos, eos, device=q.device) for _, bos, eos in group])  # [R, L]
+        init = state[torch.tensor([slot for slot, _, _ in group], device=state.device)]
+        res = reference.gdn_native_step_rows(q[idx], k[idx], v[idx], g[idx], beta[idx], init, scale=scale,
+                                             use_qk_l2norm=use_qk_l2norm, dtype=torch.float32)
+        flat = idx.reshape(-1)
+        out[flat] = res.out.reshape(-1, *res.out.shape[2:]).to(out.dtype)
+        if record is not None:
+            record[0][flat] = res.u.reshape(-1, *res.u.shape[2:])
+            record[1][flat] = res.khat.reshape(-1, *res.khat.shape[2:])
+            record[2][flat] = res.decay.reshape(-1, *res.decay.shape[2:])
+    return rest
 
 
 def gdn_fold_cpu(state, prev_rec_u, prev_rec_k, prev_rec_decay, src_indices, prev_start, prev_num_accepted_tokens):

@@ -124,10 +124,14 @@ def short_conv_commit_cpu(conv_state, rec_x, query_start_loc, src_indices, num_a
     dsts = dst_indices.tolist()
     bidx = boundary_indices.tolist()
     boff = boundary_offsets.tolist()
+    groups: dict[int, list] = {}
     for b, src in enumerate(src_indices.tolist()):
         bos, eos = clamped_window(qsl, b, T)
         n = clamped_count(counts[b], bos, eos)
         if n == 0 or not 0 <= src < S or LC == 0:
+            continue
+        if not any(0 <= i < S for i in bidx[b]) and 0 <= dsts[b] < S:  # pure data movement: rows of one count at once
+            groups.setdefault(n, []).append((src, bos, dsts[b]))
             continue
         for layer in range(NL):
             hist = torch.cat([conv_state[layer, src].to(torch.float32), rec_x[layer, bos:bos + n]])
@@ -136,6 +140,12 @@ def short_conv_commit_cpu(conv_state, rec_x, query_start_loc, src_indices, num_a
                     conv_state[layer, bidx[b][j]] = hist[off:off + LC]
             if 0 <= dsts[b] < S:
                 conv_state[layer, dsts[b]] = hist[n:n + LC]
+    for n, rows in groups.items():
+        srcs = torch.tensor([src for src, _, _ in rows], device=conv_state.device)
+        tok = torch.stack([torch.arange(bos, bos + n, device=conv_state.device) for _, bos, _ in rows])
+        hist = torch.cat([conv_state[:, srcs].to(torch.float32), rec_x[:, tok]], dim=2)  # [NL, R, LC + n, C]
+        conv_state[:, torch.tensor([dst for _, _, dst in rows], device=conv_state.device)] = \
+            hist[:, :, n:n + LC].to(conv_state.dtype)
 
 
 # ----------------------------------------------------------------------------- checks

@@ -109,10 +109,24 @@ def short_conv_verify_cpu(x, weight, bias, conv_state, state_indices, query_star
     """CPU twin of the kernel: the reference's expressions, row by row."""
     T, S = x.shape[0], conv_state.shape[0]
     qsl = query_start_loc.tolist()
+    groups: dict[int, list] = {}
     for b, slot in enumerate(state_indices.tolist()):
         bos, eos = clamped_window(qsl, b, T)
-        if not 0 <= slot < S or eos == bos:
+        if 0 <= slot < S and eos > bos:
+            groups.setdefault(eos - bos, []).append((slot, bos, eos))
+    for length, rows in groups.items():
+        if len(rows) > 1:  # rows of one window length as one sequence of R * C channels (elementwise: same bits)
+            R, C = len(rows), x.shape[1]
+            idx = torch.stack([torch.arange(bos, eos, device=x.device) for _, bos, eos in rows])  # [R, L]
+            xs = x[idx].transpose(0, 1).reshape(length, R * C)
+            init = conv_state[torch.tensor([slot for slot, _, _ in rows], device=x.device)]
+            res = reference.short_conv_native_step(xs, weight.repeat(R, 1), None if bias is None else bias.repeat(R),
+                                                   init.transpose(0, 1).reshape(init.shape[1], R * C), dilation,
+                                                   activation, dtype=torch.float32)
+            out[idx.reshape(-1)] = res.out.reshape(length, R, C).transpose(0, 1).reshape(R * length, C).to(out.dtype)
+            rec_x[idx.reshape(-1)] = x[idx.reshape(-1)].to(rec_x.dtype)
             continue
+        slot, bos, eos = rows[0]
         res = reference.short_conv_native_step(x[bos:eos], weight, bias, conv_state[slot],
                                                dilation, activation, dtype=torch.float32)
         out[bos:eos] = res.out

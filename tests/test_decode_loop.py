@@ -1,0 +1,276 @@
+"""ssm-spec's decode loop behind ``generate`` (docs/design.md section 7.7): every row of a batch
+equals that row's own plain greedy ``generate`` of the unconverted model, token for token (fp32),
+whatever the drafter and whatever the other rows do; the loop's prompt lookup proposes what
+transformers' does; its speculative sampling is distributed as plain sampling; options it does
+not implement run transformers' loop after one warning. On CUDA the same tests run the
+captured rounds (``cuda_graphs=True``) against the eager loop.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from ssm_spec.hf import acceptance_stats, apply_recoverssm, tiny_model
+from ssm_spec.hf.loop import DecodeLoop, PromptLookup
+from ssm_spec.hf.loop.rows import Rows
+from ssm_spec.hf.tiny import ByteTokenizer
+
+KINDS = ["qwen3_next", "qwen3_5"]
+TOK = ByteTokenizer()
+TEXTS = ["the cat sat on the mat. the cat sat on the", "a b c a b c a b", "hello hello world, hello", "xy"]
+
+
+def _batch(texts, device="cpu"):
+    """Left-padded ``(input_ids, attention_mask)`` of ``texts``."""
+    enc = [TOK.encode(t) for t in texts]
+    P = max(map(len, enc))
+    ids = [[TOK.pad_token_id] * (P - len(e)) + e for e in enc]
+    mask = [[0] * (P - len(e)) + [1] * len(e) for e in enc]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+def _own(ref, texts, n, device, **kw):
+    """Each text's plain greedy continuation on its own (the unconverted model, batch 1)."""
+    return [ref.generate(torch.tensor([TOK.encode(t)], device=device), max_new_tokens=n, do_sample=False, **kw)[0]
+            [len(TOK.encode(t)):] for t in texts]
+
+
+def _noisy_twin(kind, seed, device, scale=0.05):
+    draft = apply_recoverssm(tiny_model(kind, seed=seed).to(device))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).to(device) * scale * p.std())
+    draft.generation_config.num_assistant_tokens = 4
+    return draft
+
+
+def _check_rows(out, prompt_len, own, pad_id):
+    for b, tokens in enumerate(own):
+        got = out[b, prompt_len:]
+        assert torch.equal(got[:len(tokens)], tokens), (b, got.tolist(), tokens.tolist())
+        assert (got[len(tokens):] == pad_id).all(), (b, got.tolist())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_row_of_a_batch_equals_its_own_plain_greedy(device, kind):
+    """Ragged prompts (one of two tokens), 37 new tokens (not a multiple of any window): plain
+    decoding, prompt lookup and a converted assistant each give every row its own greedy."""
+    ref = tiny_model(kind, seed=1).to(device)
+    model = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=device.type == "cuda")
+    ids, mask = _batch(TEXTS, device)
+    own = _own(ref, TEXTS, 37, device)
+    draft = _noisy_twin(kind, 1, device)
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback to transformers' loop
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=37, do_sample=False, **kw)
+        _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
+        stats = acceptance_stats(model)
+        if kw:
+            assert stats.rounds > 0 and 0 < stats.accepted <= stats.drafted, (kw, stats)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_ending_early_at_eos_is_padded_while_the_others_go_on(device, kind):
+    """An end-of-sequence id the model emits early in one row: that row stops there (the EOS
+    kept, then padding), the others go on, each equal to its own greedy with the same EOS."""
+    ref = tiny_model(kind, seed=2).to(device)
+    model = apply_recoverssm(tiny_model(kind, seed=2).to(device))
+    free = _own(ref, TEXTS[:3], 30, device)
+    eos = int(free[1][6])  # row 1's seventh new token: it ends there (or earlier)
+    ids, mask = _batch(TEXTS[:3], device)
+    own = _own(ref, TEXTS[:3], 30, device, eos_token_id=eos)
+    assert len(own[1]) <= 7 and max(map(len, own)) > 7
+    for kw in ({}, {"prompt_lookup_num_tokens": 4}, {"assistant_model": _noisy_twin(kind, 2, device)}):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=eos, **kw)
+        assert out.shape[1] == ids.shape[1] + max(map(len, own))
+        _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
+
+
+def test_min_new_tokens_holds_eos_back_inside_the_window(device):
+    """``min_new_tokens`` masks the EOS at the window positions that are still short, as
+    transformers' processor does token by token."""
+    ref = tiny_model("qwen3_5", seed=2).to(device)
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=2).to(device))
+    free = _own(ref, TEXTS[:1], 20, device)
+    eos = int(free[0][3])
+    own = _own(ref, TEXTS[:1], 20, device, eos_token_id=eos, min_new_tokens=9)
+    ids, mask = _batch(TEXTS[:1], device)
+    for kw in ({}, {"prompt_lookup_num_tokens": 5}):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                             min_new_tokens=9, **kw)
+        _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
+
+
+def test_the_loops_candidates_are_transformers_prompt_lookup_candidates():
+    """On random sequences with repeats (several n-gram sizes, matches near the end, an EOS
+    inside a continuation, one token of budget left), the loop proposes exactly the drafts of
+    transformers' ``PromptLookupCandidateGenerator``."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    gen = torch.Generator().manual_seed(0)
+    eos = torch.tensor([7])
+    cases = 0
+    for trial in range(300):
+        L = int(torch.randint(2, 40, (1,), generator=gen))
+        seq = torch.randint(0, 9, (1, L), generator=gen)  # a small alphabet: many repeats, some EOS (7)
+        k = int(torch.randint(1, 7, (1,), generator=gen))
+        n = int(torch.randint(1, 4, (1,), generator=gen))
+        left = 1 if trial % 10 == 0 else 50  # new tokens still allowed
+        theirs = PromptLookupCandidateGenerator(eos_token_id=eos, num_output_tokens=k, max_matching_ngram_size=n,
+                                                max_length=L + left)
+        cand, _ = theirs.get_candidates(seq)
+        want = cand[0, L:].tolist()
+        rows = Rows(1, 64, "cpu", pad_token_id=0)
+        rows.load(seq, torch.zeros(1, dtype=torch.int64), max_new=left, min_new=0, min_length=0)
+        drafts, count, _ = PromptLookup(k, n, eos).propose(rows)
+        assert drafts[0, :int(count)].tolist() == want, (seq.tolist(), k, n, left)
+        cases += bool(want)
+    assert cases > 100  # most trials draft something
+
+
+def test_options_the_loop_does_not_implement_run_transformers_loop_after_a_warning():
+    """``output_scores`` (and beams): one RuntimeWarning naming the option, then transformers'
+    loop on the converted cache, with the same tokens."""
+    ref = tiny_model("qwen3_next", seed=3)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=3))
+    ids = torch.tensor([TOK.encode(TEXTS[0])])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="output_scores"):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+                             output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want) and out.scores is not None
+    with pytest.warns(RuntimeWarning, match="num_beams"):
+        model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    apply_recoverssm(model, decode_loop=False)  # transformers' loop, silently
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)
+
+
+def test_an_empty_prompt_is_refused_clearly():
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
+    with pytest.raises(ValueError, match="no tokens"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
+
+
+def test_calls_of_other_batch_sizes_and_drafts_reuse_or_rebuild_the_kept_loop(device):
+    """A second call of the same bucket and drafter reuses the kept loop (and its graphs); another
+    batch size or draft length builds a new one; every result stays exact."""
+    ref = tiny_model("qwen3_next", seed=4).to(device)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=4).to(device), cuda_graphs=device.type == "cuda")
+    runtime = model._recoverssm
+    seen = []
+    for texts, k in ((TEXTS[:2], 3), (TEXTS[1:3], 3), (TEXTS[:3], 3), (TEXTS[:3], 2), (TEXTS[:1], 2)):
+        ids, mask = _batch(texts, device)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False,
+                             prompt_lookup_num_tokens=k)
+        _check_rows(out, ids.shape[1], _own(ref, texts, 17, device), TOK.pad_token_id)
+        seen.append(runtime.loop)
+    assert seen[0] is seen[1]  # same bucket (2 rows) and k
+    assert seen[2] is not seen[1] and seen[3] is not seen[2] and seen[4] is not seen[3]
+    if device.type == "cuda":
+        assert all(loop.graph is not None and loop.eager_rounds == 0 for loop in seen)
+
+
+def test_streamer_gets_the_prompt_then_every_token():
+    from transformers.generation.streamers import BaseStreamer
+
+    class Keep(BaseStreamer):
+        def __init__(self):
+            self.parts, self.ended = [], False
+
+        def put(self, value):
+            self.parts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ref = tiny_model("qwen3_5", seed=5)
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=5))
+    ids = torch.tensor([TOK.encode(TEXTS[0])])
+    want = ref.generate(ids, max_new_tokens=20, do_sample=False)
+    s = Keep()
+    out = model.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4, streamer=s)
+    assert torch.equal(out, want) and s.ended
+    assert s.parts[0] == ids[0].tolist() and sum(s.parts[1:], []) == want[0, ids.shape[1]:].tolist()
+
+
+def _exact_law(ref, ids, top_k, steps=3):
+    """``{tokens: probability}`` of the first ``steps`` new tokens under top-k sampling
+    (temperature 1), computed from the model's logits for every prefix in the support."""
+    from transformers import TopKLogitsWarper
+
+    warp = TopKLogitsWarper(top_k)
+    law = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(law)
+        seqs = torch.stack([torch.cat([ids[0], torch.tensor(p, dtype=torch.long)]) for p in prefixes])
+        with torch.no_grad():
+            logits = ref(seqs).logits[:, -1].double()
+        probs = torch.softmax(warp(seqs, logits), -1)
+        law = {(*p, t): law[p] * float(probs[i, t]) for i, p in enumerate(prefixes)
+               for t in probs[i].nonzero()[:, 0].tolist()}
+    return law
+
+
+def _chi_square_p(counts: dict, law: dict, n: int) -> float:
+    """The chi-square test's p-value of ``counts`` (``n`` draws) against ``law``; categories whose
+    expected count is below 5 are pooled."""
+    keys = sorted(law, key=law.get, reverse=True)
+    observed, expected, pool_o, pool_e = [], [], 0.0, 0.0
+    for key in keys:
+        e = law[key] * n
+        if e >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(e)
+        else:
+            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + e
+    if pool_e > 0:
+        observed.append(pool_o + sum(v for k, v in counts.items() if k not in law))
+        expected.append(pool_e)
+    o, e = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(o) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+def test_speculative_sampling_is_distributed_as_plain_sampling():
+    """The joint law of the first three new tokens under top-3 sampling, computed exactly from
+    the model, against the loop's draws without drafts, with prompt lookup and with an assistant
+    (chi-square over 4,096 rows each, drawn 1,024 rows a call); the same test rejects draws from
+    the law with 2 % of its mass moved from its likeliest outcome to another."""
+    ref = tiny_model("qwen3_next", seed=6)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=6))
+    start = torch.tensor([TOK.encode("the cat sat")])
+    ids = torch.cat([ref.generate(start, max_new_tokens=8, do_sample=False), start], 1)  # lookup drafts what it said
+    law = _exact_law(ref, ids, top_k=3)
+    rows, calls = 1024, 4
+    n = rows * calls
+    draft = _noisy_twin("qwen3_next", 6, "cpu", scale=0.3)
+    draft.generation_config.num_assistant_tokens = 2
+    torch.manual_seed(0)
+    for kw in ({}, {"prompt_lookup_num_tokens": 2}, {"assistant_model": draft}):
+        counts = {}
+        for _ in range(calls):
+            out = model.generate(ids.repeat(rows, 1), max_new_tokens=3, do_sample=True, top_k=3, top_p=1.0,
+                                 temperature=1.0, **kw)
+            for row in out[:, ids.shape[1]:].tolist():
+                counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        if kw:
+            stats = acceptance_stats(model)
+            assert 0 < stats.accepted < stats.drafted, (kw, stats)  # drafts kept and refused: both paths run
+        assert _chi_square_p(counts, law, n) > 1e-3, (kw, sorted(counts.items(), key=lambda x: -x[1])[:6])
+    top, other = sorted(law, key=law.get, reverse=True)[:2]
+    shifted = {**law, top: law[top] - 0.02, other: law[other] + 0.02}
+    keys = list(shifted)
+    draws = torch.multinomial(torch.tensor([shifted[k] for k in keys]), n, replacement=True,
+                              generator=torch.Generator().manual_seed(1))
+    counts = {}
+    for i in draws.tolist():
+        counts[keys[i]] = counts.get(keys[i], 0) + 1
+    assert _chi_square_p(counts, law, n) < 1e-3
