@@ -178,6 +178,39 @@ def test_calls_of_other_batch_sizes_and_drafts_reuse_or_rebuild_the_kept_loop(de
         assert all(loop.graph is not None and loop.eager_rounds == 0 for loop in seen)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
+    """On CUDA: the captured rounds give the eager loop's tokens for every drafter (batch 3); a
+    model whose forward reads a value back on the host cannot be captured: one RuntimeWarning,
+    then the same rounds run eagerly, with the same tokens."""
+    device = torch.device("cuda")
+    ids, mask = _batch(TEXTS[:3], device)
+    graphed = apply_recoverssm(tiny_model("qwen3_5", seed=7).to(device), cuda_graphs=True)
+    eager = apply_recoverssm(tiny_model("qwen3_5", seed=7).to(device), cuda_graphs=False)
+    draft = _noisy_twin("qwen3_5", 7, device)
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
+        a = graphed.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False, **kw)
+        b = eager.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False, **kw)
+        assert torch.equal(a, b), kw
+        loop = graphed._recoverssm.loop
+        assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
+    head = graphed.lm_head
+    original = head.forward
+    head.forward = lambda x: original(x) + 0 * float(x.sum())  # a host read inside the forward
+    try:
+        apply_recoverssm(graphed, cuda_graphs=False)
+        apply_recoverssm(graphed, cuda_graphs=True)
+        with pytest.warns(RuntimeWarning, match="cannot be captured"):
+            c = graphed.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False,
+                                 prompt_lookup_num_tokens=3)
+    finally:
+        head.forward = original
+    assert torch.equal(c, eager.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False,
+                                         prompt_lookup_num_tokens=3))
+    assert graphed._recoverssm.loop.eager_rounds > 0
+
+
 def test_streamer_gets_the_prompt_then_every_token():
     from transformers.generation.streamers import BaseStreamer
 

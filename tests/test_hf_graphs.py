@@ -1,4 +1,7 @@
-"""``apply_recoverssm(model, cuda_graphs=True)``: static attention buffers and graphed forwards.
+"""``apply_recoverssm(model, cuda_graphs=True, decode_loop=False)``: static attention buffers and graphed forwards.
+
+These are the forwards transformers' own loop runs (``decode_loop=False``, and the fallback of the
+decode loop); the decode loop's captured rounds are tested in ``test_decode_loop.py``.
 
 On the CPU the graphed forward runs its body eagerly (the same static buffers, positions and
 mask); on CUDA verify forwards are captured and replayed. Either way greedy fp32 generate must
@@ -39,7 +42,7 @@ def test_graphed_generate_equals_plain_greedy(device, kind):
     """Plain, prompt lookup (5 and 2 drafts) and a converted assistant through the graphed
     forward equal plain greedy generate of the unconverted model, token for token (fp32)."""
     ref = tiny_model(kind, seed=3).to(device)
-    model = apply_recoverssm(tiny_model(kind, seed=3).to(device), cuda_graphs=True)
+    model = apply_recoverssm(tiny_model(kind, seed=3).to(device), cuda_graphs=True, decode_loop=False)
     ids = _ids(device)
     n = _new_tokens(device)
     plain = _greedy(ref, ids, n)
@@ -63,7 +66,7 @@ def test_model_as_its_own_assistant_keeps_its_graphed_cache(device):
     """The assistant's own generate calls (the same model) run on plain caches: the target's
     kept graphed cache is never reset under it."""
     ref = tiny_model("qwen3_5", seed=4).to(device)
-    model = apply_recoverssm(tiny_model("qwen3_5", seed=4).to(device), cuda_graphs=True)
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=4).to(device), cuda_graphs=True, decode_loop=False)
     model.generation_config.num_assistant_tokens = 4
     model.generation_config.assistant_confidence_threshold = 0.0
     ids = _ids(device)
@@ -78,7 +81,7 @@ def test_graph_cache_is_kept_and_reset_between_calls(device):
     tokens replaces it; a deepcopy of the model starts without it."""
     import copy
 
-    model = apply_recoverssm(tiny_model("qwen3_next", seed=1).to(device), cuda_graphs=True)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=1).to(device), cuda_graphs=True, decode_loop=False)
     ids = _ids(device)
     first = _greedy(model, ids, 24, prompt_lookup_num_tokens=3)
     cache = _kept(model)
@@ -101,8 +104,8 @@ def test_graph_cache_is_kept_and_reset_between_calls(device):
 
 def test_padded_batch_uses_the_plain_cache(device):
     """cuda_graphs covers unpadded rows; a padded batch runs on the growing cache, unchanged."""
-    model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device), cuda_graphs=True)
-    plain_model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device))
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device), cuda_graphs=True, decode_loop=False)
+    plain_model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device), decode_loop=False)
     a, b = TOK.encode("the cat sat"), TOK.encode("a dog ran off to the")
     pad = TOK.pad_token_id
     ids = torch.tensor([[pad] * (len(b) - len(a)) + a, b], device=device)
@@ -150,7 +153,7 @@ def test_unsupported_attention_implementation_is_refused():
     model = tiny_model("qwen3_next", seed=0)
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="attention implementation"):
-        apply_recoverssm(model, cuda_graphs=True)
+        apply_recoverssm(model, cuda_graphs=True, decode_loop=False)
 
 
 def test_output_hidden_states_runs_eagerly(device):
@@ -180,7 +183,7 @@ def test_replay_equals_eager_body_bitwise(dtype):
     ids = _ids(device)
     logits = []
     for capture in (True, False):
-        model = apply_recoverssm(tiny_model("qwen3_next", seed=6, dtype=dtype).to(device), cuda_graphs=True)
+        model = apply_recoverssm(tiny_model("qwen3_next", seed=6, dtype=dtype).to(device), cuda_graphs=True, decode_loop=False)
         _greedy(model, ids, 8, prompt_lookup_num_tokens=4)  # makes the kept cache
         graphed = _kept(model).graphed
         graphed.capture = capture
@@ -225,7 +228,7 @@ def test_body_rerun_keeps_the_plan(device):
 
 def _graphed_and_ref(kind="qwen3_next", seed=8, device="cpu", **kw):
     ref = tiny_model(kind, seed=seed, **kw).to(device)
-    return apply_recoverssm(tiny_model(kind, seed=seed, **kw).to(device), cuda_graphs=True), ref
+    return apply_recoverssm(tiny_model(kind, seed=seed, **kw).to(device), cuda_graphs=True, decode_loop=False), ref
 
 
 def test_generate_without_cache_and_with_expanded_batches(device):
@@ -341,7 +344,7 @@ def test_explicit_generation_config(device):
     padded = torch.cat([torch.full((1, 2), pad, device=device), ids], 1)
     gc = GenerationConfig(max_new_tokens=12, do_sample=False, use_cache=True)
     apply_recoverssm(model, cuda_graphs=False)
-    apply_recoverssm(model, cuda_graphs=True)  # drops the kept cache
+    apply_recoverssm(model, cuda_graphs=True, decode_loop=False)  # drops the kept cache
     out = model.generate(padded, generation_config=gc)  # the pad id is the model's: a plain cache
     assert _kept(model) is None
     assert torch.equal(out, plain_model.generate(padded, generation_config=gc))

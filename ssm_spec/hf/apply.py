@@ -162,6 +162,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if tp_group is not None:
             raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
                              "head); shard on the first conversion: apply_recoverssm(unconverted_model, tp_group=...)")
+        if config != model._recoverssm.config:
+            model._recoverssm.loop = model._recoverssm.loop_key = None  # built for the old settings
         model._recoverssm.config = config
         if cuda_graphs is not None:
             capture_safe_experts(model, config.cuda_graphs)

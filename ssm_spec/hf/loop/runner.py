@@ -13,10 +13,11 @@ reads one flag (are all rows finished?) and the rows' counts. Off CUDA, or witho
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
-from ...capture import GraphCapture
+from ...capture import CaptureError, GraphCapture
 from ..cache import AcceptanceStats
 from .accept import accept_greedy, accept_matching, accept_rejection, draw
 from .forward import LoopModel
@@ -58,6 +59,7 @@ class DecodeLoop:
         self.graphs = graphs and device.type == "cuda"
         self.per_graph = 1 if drafter is not None else PLAIN_ROUNDS_PER_GRAPH
         self.graph = None
+        self.failed: str | None = None  # why capture was given up (the rounds then run eagerly)
         self._capture = GraphCapture(device, "decode loop") if self.graphs else None
         k = max(self.k, 1)
         i64 = dict(dtype=torch.int64, device=device)
@@ -121,8 +123,13 @@ class DecodeLoop:
         if not self.graphs or self.graph is not None:
             return
         self.rows.finished.fill_(True)
-        self._capture.warmup(self._rounds, what="a round")
-        self.graph, _ = self._capture.capture(self._rounds, what="a round")
+        try:
+            self._capture.warmup(self._rounds, what="a round")
+            self.graph, _ = self._capture.capture(self._rounds, what="a round")
+        except CaptureError as exc:  # loud, never silently wrong: the same rounds then run eagerly
+            self.graphs, self.failed = False, str(exc)
+            warnings.warn(f"decode loop: a round cannot be captured as a CUDA graph; running it eagerly. {exc}",
+                          RuntimeWarning, stacklevel=4)
 
     # ------------------------------------------------------------------ a call
     def run(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int,
