@@ -74,7 +74,7 @@ def draft_length(generation_config, kwargs) -> int:
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
                      cuda_graphs: bool | None = None, mode: str | None = None, decode_loop: bool | None = None,
-                     tp_group=None) -> nn.Module:
+                     compile: bool | None = None, tp_group=None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -126,6 +126,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             ``output_scores``, a cache passed in, ...) runs transformers' loop after one
             ``RuntimeWarning`` naming the option. ``False``: always transformers' loop (with
             the converted cache). ``None`` keeps the current setting.
+        compile: ``True``: the decode loop's verify forwards run through
+            ``torch.compile(fullgraph=True)`` (inductor; each new shape compiles on its first
+            call); ``False`` (the default) runs them eagerly. ``None`` keeps the current setting.
         tp_group: a ``torch.distributed`` process group (first conversion only): every GDN
             layer keeps this rank's share of its heads (copies of its slices of the full
             layer's weights; ``RecoverGatedDeltaNet.shard_``), its states hold only those, and
@@ -150,7 +153,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     try:
         config = base.replace(state_dtype=state_dtype, mode=mode,
                               cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
-                              decode_loop=None if decode_loop is None else bool(decode_loop))
+                              decode_loop=None if decode_loop is None else bool(decode_loop),
+                              compile=None if compile is None else bool(compile))
     except ValueError as exc:
         raise ValueError(str(exc).replace("RecoverSSMConfig:", "apply_recoverssm:", 1)) from None
     if cuda_graphs:

@@ -33,6 +33,9 @@ class RecoverSSMConfig:
         decode_loop: ``generate`` runs ssm-spec's own decode loop (plain decoding, prompt lookup
             and assistants at any batch size, docs/design.md section 7.7) instead of
             transformers' loop, where the call's options allow it.
+        compile: the decode loop's verify forwards run through ``torch.compile(fullgraph=True)``
+            (the first call of each shape compiles; what ``cuda_graphs`` captures then is the
+            compiled forward).
 
     New switches are added as fields with defaults, so configs built by keyword stay valid;
     :meth:`replace` gives an updated copy (validated again).
@@ -45,11 +48,12 @@ class RecoverSSMConfig:
     mode: str = "exact"
     cuda_graphs: bool = False
     decode_loop: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         check_state_dtype("RecoverSSMConfig", self.state_dtype)
         check_mode("RecoverSSMConfig", self.mode)
-        for name in ("cuda_graphs", "decode_loop"):
+        for name in ("cuda_graphs", "decode_loop", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RecoverSSMConfig: {name}: got {getattr(self, name)!r}; expected True or False")
 

@@ -157,7 +157,7 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
         return None
     k = int(getattr(assistant.generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
-    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode)
+    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
     return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
 
 
@@ -210,7 +210,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         runtime.loop = loop = None  # free the old buffers before the new ones
         drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling)
         loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
-                          state_dtype=config.state_dtype, mode=config.mode)
+                          state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
         runtime.loop, runtime.loop_key = loop, key_base
     if ssm_streamer is not None:
         ssm_streamer.put(input_ids.cpu())

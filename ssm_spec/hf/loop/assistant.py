@@ -34,13 +34,15 @@ class AssistantDrafter:
             drafts are chosen from scores processed as the target's are).
         sampling: draw drafts from the assistant's distribution (kept for rejection sampling)
             instead of taking its argmax.
-        state_dtype / mode: the assistant's recurrent states.
+        state_dtype / mode / compile: the assistant's recurrent states and whether its verify
+            forwards are compiled (its own :class:`~ssm_spec.hf.RecoverSSMConfig`).
     """
 
     def __init__(self, model, num_tokens: int, batch_size: int, capacity: int, scoring, sampling: bool, *,
-                 state_dtype=torch.float32, mode: str = "exact"):
+                 state_dtype=torch.float32, mode: str = "exact", compile: bool = False):
         self.k = int(num_tokens)
-        self.model = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode)
+        self.model = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode,
+                               compile=compile)
         self.scoring, self.sampling = scoring, sampling
         self.needs_probs = sampling
         self._last_md = None

@@ -25,10 +25,12 @@ class LoopModel:
     Args:
         model: the Hugging Face causal LM (converted, or without GatedDeltaNet layers).
         batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
+        compile: verify forwards run through ``torch.compile(fullgraph=True)`` (inductor fuses
+            what surrounds the ops; the prompt's prefill stays eager).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, max_window: int, *, state_dtype=torch.float32,
-                 mode: str = "exact"):
+                 mode: str = "exact", compile: bool = False):
         self.model = model
         self.cache = LoopCache(model, batch_size, capacity, max_window, state_dtype=state_dtype, mode=mode)
         self.key = cache_kwarg(model)
@@ -37,6 +39,7 @@ class LoopModel:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.dict_mask = bool(self.cache.adapters)  # the hybrid decoders take a mask per layer type
         self._arange = torch.arange(capacity, device=self.cache.device)
+        self._verify_forward = torch.compile(self._forward, fullgraph=True) if compile else self._forward
 
     def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         c = self._arange[None, None, None, :]
@@ -74,7 +77,7 @@ class LoopModel:
         :meth:`commit`."""
         md = self.cache.verify_metadata(active, tokens.shape[1])
         self.cache.verify_step(md, columns)
-        return self._forward(tokens, columns, rows.pad, keep=0), md
+        return self._verify_forward(tokens, columns, rows.pad, keep=0), md
 
     def commit(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
         """Keep each row's first ``num_accepted_tokens[b]`` tokens of that verify."""

@@ -47,13 +47,16 @@ class DecodeLoop:
         pad_token_id: filler after a row's end.
         graphs: capture rounds as CUDA graphs (a CUDA model only).
         state_dtype / mode: the target's recurrent states.
+        compile: the target's verify forwards through ``torch.compile(fullgraph=True)``.
     """
 
     def __init__(self, model, batch_size: int, capacity: int, drafter, scoring, sampling: bool, eos: torch.Tensor,
-                 pad_token_id: int, *, graphs: bool, state_dtype=torch.float32, mode: str = "exact"):
+                 pad_token_id: int, *, graphs: bool, state_dtype=torch.float32, mode: str = "exact",
+                 compile: bool = False):
         self.drafter, self.scoring, self.sampling, self.eos = drafter, scoring, sampling, eos
         self.k = 0 if drafter is None else drafter.k
-        self.target = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode)
+        self.target = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode,
+                                compile=compile)
         device = self.target.cache.device
         self.rows = Rows(batch_size, capacity, device, pad_token_id)
         self.graphs = graphs and device.type == "cuda"

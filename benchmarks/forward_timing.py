@@ -1,0 +1,82 @@
+"""GPU time of one forward of a converted model inside the decode loop, and the floor it runs
+against: what ``bench_hf_generate.py`` reports as ``gpu_ms_per_decode_forward`` /
+``gpu_ms_per_verify_forward`` and ``weight_read_floor_ms``.
+
+A forward's GPU time is the sum of its kernels' durations (``torch.profiler``, CUDA activity),
+so host gaps between kernels do not count: it is what a captured forward costs when nothing else
+does. The floor is the parameter bytes one forward reads over the device-to-device copy
+bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+__all__ = ["copy_bandwidth", "weight_read_floor_ms", "loop_forward_gpu_ms"]
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 31, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (median of
+    ``reps`` copies of ``nbytes`` after a warm-up)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times)
+
+
+def weight_read_floor_ms(model, bandwidth: float) -> tuple[float, int]:
+    """``(floor in ms, parameter bytes)``: every parameter read once per forward, at
+    ``bandwidth`` bytes/s (an embedding table is read one row a token: not counted)."""
+    emb = model.get_input_embeddings().weight
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    return 1e3 * nbytes / bandwidth, nbytes
+
+
+def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt_len: int = 64) -> dict:
+    """Kernel time of one target verify forward of ``width`` tokens per row (``width=1``: a
+    decode step) through the decode loop's forward (:class:`ssm_spec.hf.loop.forward.LoopModel`),
+    after a prefill of ``prompt_len`` tokens: ``{"ms": median over reps, "kernels": kernels per
+    forward}``. Each forward verifies from the same state (nothing is committed)."""
+    from ssm_spec.hf import recoverssm_config
+    from ssm_spec.hf.loop.forward import LoopModel
+    from ssm_spec.hf.loop.rows import Rows
+
+    config = recoverssm_config(model)
+    device = model.get_input_embeddings().weight.device
+    capacity = prompt_len + width + 8
+    target = LoopModel(model, batch, capacity, width, state_dtype=config.state_dtype, mode=config.mode)
+    rows = Rows(batch, capacity, device, pad_token_id=0)
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    rows.load(prompt, torch.zeros(batch, dtype=torch.int64, device=device), max_new=width + 4, min_new=0,
+              min_length=0)
+    with torch.no_grad():
+        target.prefill(rows, prompt_len, [prompt_len] * batch)
+        rows.produced.fill_(1)
+        columns = rows.window_columns(width)
+        tokens = rows.window_tokens(columns)
+        active = ~rows.finished
+        for _ in range(2):  # compile, autotune
+            target.verify(tokens, columns, rows, active)
+        torch.cuda.synchronize(device)
+        ms, kernels = [], []
+        for _ in range(reps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                target.verify(tokens, columns, rows, active)
+                torch.cuda.synchronize(device)
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            ms.append(sum(e.time_range.elapsed_us() for e in events) / 1e3)
+            kernels.append(len(events))
+    del target
+    return {"ms": statistics.median(ms), "kernels": int(statistics.median(kernels)), "ms_all": ms}
