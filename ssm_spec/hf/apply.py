@@ -14,13 +14,12 @@ from torch import nn
 
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
-from .config import KeptCache, RecoverSSMConfig, RecoverSSMRuntime
+from .config import DEFAULT_NUM_ASSISTANT_TOKENS, RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
 from .graphed import SUPPORTED_ATTENTION
 from .placement import carry_hook, placement_problem
 
 __all__ = ["apply_recoverssm", "is_converted", "draft_length", "cache_kwarg"]
 
-DEFAULT_NUM_ASSISTANT_TOKENS = 20  # transformers' default for num_assistant_tokens
 
 
 def _is_hf_gdn(module: nn.Module) -> bool:
@@ -32,17 +31,6 @@ def has_unconverted_gdn(model: nn.Module) -> bool:
     replaced (read from the module tree: transformers 5.25 dropped the ``_is_stateful`` flag that
     older releases set on such models)."""
     return any(_is_hf_gdn(m) and not isinstance(m, RecoverGDNAdapter) for m in model.modules())
-
-
-def is_converted(model: nn.Module) -> bool:
-    """Whether :func:`apply_recoverssm` has converted ``model``."""
-    return isinstance(getattr(model, "_recoverssm", None), RecoverSSMRuntime)
-
-
-def cache_kwarg(model) -> str:
-    """The name transformers uses for the cache: ``cache`` (5.2x and later) or ``past_key_values``."""
-    params = inspect.signature(type(model).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def draft_length(generation_config, kwargs) -> int:

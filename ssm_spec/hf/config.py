@@ -10,6 +10,7 @@ through :func:`recoverssm_config` and the kept cache's statistics through
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,10 @@ import torch
 from ..pools.protocols import MODES, STATE_DTYPES, check_mode, check_state_dtype
 
 __all__ = ["RecoverSSMConfig", "RecoverSSMRuntime", "recoverssm_config", "kept_cache", "acceptance_stats",
-           "check_state_dtype", "check_mode", "STATE_DTYPES", "MODES"]
+           "is_converted", "cache_kwarg", "check_state_dtype", "check_mode", "STATE_DTYPES", "MODES",
+           "DEFAULT_NUM_ASSISTANT_TOKENS"]
+
+DEFAULT_NUM_ASSISTANT_TOKENS = 20  # transformers' default for num_assistant_tokens
 
 @dataclass(frozen=True)
 class RecoverSSMConfig:
@@ -103,6 +107,17 @@ class RecoverSSMRuntime:
         """A copy of the model starts without kept caches or loops (they hold graphs and buffers
         of the original)."""
         return RecoverSSMRuntime(self.config, self.cache_kwarg, experts_implementation=self.experts_implementation)
+
+
+def is_converted(model) -> bool:
+    """Whether :func:`~ssm_spec.hf.apply_recoverssm` has converted ``model``."""
+    return isinstance(getattr(model, "_recoverssm", None), RecoverSSMRuntime)
+
+
+def cache_kwarg(model) -> str:
+    """The name transformers uses for the cache: ``cache`` (5.2x and later) or ``past_key_values``."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _runtime(model, caller: str) -> RecoverSSMRuntime:

@@ -148,7 +148,7 @@ def _eos(generation_config, device) -> torch.Tensor:
 
 def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling):
     from ..config import recoverssm_config
-    from ..apply import is_converted, DEFAULT_NUM_ASSISTANT_TOKENS
+    from ..config import DEFAULT_NUM_ASSISTANT_TOKENS, is_converted
 
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..apply import cache_kwarg
+from ..config import cache_kwarg
 from .cache import LoopCache
 
 __all__ = ["LoopModel", "SUPPORTED_ATTENTION"]
