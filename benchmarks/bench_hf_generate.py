@@ -75,7 +75,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import math
 import platform
@@ -85,8 +84,8 @@ import time
 from pathlib import Path
 
 import torch
-from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, timing_spread,
-                      write_results)
+from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, write_results
+from timing import Clock, Phases, timing_spread
 
 from ssm_spec.hf.kernels import hf_reference_kernels
 from ssm_spec.hf.tiny import KINDS
@@ -133,22 +132,6 @@ def result_name(kind: str, dtype: str) -> str:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class Phases:
-    """Wall time of the named phases of a run (``with phases("name"): ...``), synchronised."""
-
-    def __init__(self, clock):
-        self.clock, self.seconds = clock, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = self.clock()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + self.clock() - t0
-
 
 
 def output_cache(out):

@@ -34,10 +34,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _results import Clock, write_results
+from _results import write_results
 from bench_hf_generate import SENTENCE, Phases, environment, first_diff, model_config, timed_generate
 from bench_hf_generate import parse_args as hf_parse_args
 from bench_step_tp import join_group, leave_group, nccl_environment
+from timing import Clock
 
 
 def parse_args(argv=None):

@@ -166,8 +166,8 @@ def summarize_runs(rows: list[dict]) -> dict:
 def run_demo(ns) -> dict:
     """Run every prompt through the runs above; returns the results dict (per prompt and summed).
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
-    differ by more than ``_results.TIMING_SPREAD_LIMIT``)."""
-    from _results import timing_spread
+    differ by more than ``timing.TIMING_SPREAD_LIMIT``)."""
+    from timing import timing_spread
     from bench_hf_generate import full_logits
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
