@@ -1,14 +1,12 @@
-"""What the benchmark scripts share: their help formatter and how they write results."""
+"""What the benchmark scripts share for their output: the help formatter, where results go, how the
+JSON and the plot are written, and the device's name in file names (the timer is ``timing.py``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import re
-import sys
-import time
 from pathlib import Path
 
 #: The committed results (GPU runs quoted in the READMEs): written only on request (``--save``
@@ -84,23 +82,6 @@ def pyplot():
     return plt
 
 
-class Clock:
-    """``time.perf_counter`` with a device synchronisation before each reading (seconds)."""
-
-    def __init__(self, device):
-        import torch
-
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-
 def device_name(device) -> str:
     """The GPU's name, or ``cpu-<machine>``."""
     import torch
@@ -114,24 +95,3 @@ def device_name(device) -> str:
 def slug(text: str) -> str:
     """``text`` as a file-name part: lower case, runs of other characters as ``-``."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-#: Timed calls of one run that differ by more than this factor (slowest / fastest) are reported:
-#: on the H200 a 32-token warm-up left the first 256-token call of several runs 2-4.5x slower
-#: than the second (work the warm-up did not reach), which a median of two then averaged in.
-TIMING_SPREAD_LIMIT = 1.3
-
-
-def timing_spread(name: str, times) -> float:
-    """``max(times) / min(times)`` of one run's timed calls (seconds); prints a warning to stderr
-    naming the run when it exceeds :data:`TIMING_SPREAD_LIMIT`. Raises ``ValueError`` on an empty
-    list or a time that is not a positive, finite number."""
-    times = list(times)
-    if not times or not all(t > 0 and math.isfinite(t) for t in times):
-        raise ValueError(f"{name}: timed calls must be a non-empty list of positive, finite seconds, got {times}")
-    spread = max(times) / min(times)
-    if spread > TIMING_SPREAD_LIMIT:
-        print(f"warning: {name}: timed calls differ {spread:.2f}x ({', '.join(f'{t:.3f}' for t in times)} s): "
-              "work the warm-up left undone (compilation, autotuning) or a busy machine; raise "
-              "--warmup-tokens or --repeats", file=sys.stderr)
-    return spread

@@ -34,10 +34,13 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _results import Clock, write_results
-from bench_hf_generate import SENTENCE, Phases, environment, first_diff, model_config, timed_generate
+from _results import write_results
 from bench_hf_generate import parse_args as hf_parse_args
 from bench_step_tp import join_group, leave_group, nccl_environment
+from hf_agreement import first_diff
+from hf_environment import environment
+from hf_runs import SENTENCE, model_config, timed_generate
+from timing import Clock, Phases
 
 
 def parse_args(argv=None):
@@ -62,7 +65,7 @@ def parse_args(argv=None):
 
 
 def _generate(model, prompt, clock, phases, name, k, common) -> dict:
-    """Plain greedy and prompt-lookup ``generate``, timed (``bench_hf_generate.timed_generate``)."""
+    """Plain greedy and prompt-lookup ``generate``, timed (``hf_runs.timed_generate``)."""
     plain = timed_generate(model, prompt, clock, phases, f"{name} plain", **common)
     lookup = timed_generate(model, prompt, clock, phases, f"{name} lookup",
                             make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 import torch
-from _results import (Clock, HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug,
-                      write_results)
+from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results
+from timing import Clock
 
 from ssm_spec.graphs import SpecDecodeGraphRunner
 from ssm_spec.graphs.stack import REALISTIC_WIDTHS, TINY_WIDTHS, DecoderStack

@@ -32,6 +32,9 @@ from argparse import Namespace
 from pathlib import Path
 
 import torch
+from _results import pyplot
+from hf_agreement import first_diff, full_logits, gap_at
+from timing import timing_spread
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -123,11 +126,9 @@ def _args(ns, draft: str) -> Namespace:
 
 def divergence(run: list[int], hf: list[int], hf_logits: torch.Tensor, prompt_len: int) -> dict:
     """Whether ``run``'s new tokens equal ``hf``'s; if not, ``first_diff`` (the new token's index),
-    both tokens and the unconverted target's gaps there (:func:`bench_hf_generate.gap_at` on
+    both tokens and the unconverted target's gaps there (:func:`hf_agreement.gap_at` on
     ``hf_logits [prompt_len + len(hf), vocab]``, the logits of one forward over the prompt and
     ``hf``'s tokens: the prefix before ``first_diff`` is ``hf``'s by definition)."""
-    from bench_hf_generate import first_diff, gap_at
-
     d = first_diff(run, hf)
     if d is None:
         return {"tokens_equal_hf": True, "first_diff": None}
@@ -166,9 +167,7 @@ def summarize_runs(rows: list[dict]) -> dict:
 def run_demo(ns) -> dict:
     """Run every prompt through the runs above; returns the results dict (per prompt and summed).
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
-    differ by more than ``_results.TIMING_SPREAD_LIMIT``)."""
-    from _results import timing_spread
-    from bench_hf_generate import full_logits
+    differ by more than ``timing.TIMING_SPREAD_LIMIT``)."""
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
 
@@ -234,8 +233,6 @@ def print_demo(res: dict) -> None:
 
 def save_demo_plot(res: dict, path) -> bool:
     """Tokens/s per run (median over prompts) and the per-position acceptance of the drafted runs."""
-    from _results import pyplot
-
     plt = pyplot()
     if plt is None:
         return False

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
-from bench_ops import DTYPES, BatchWorkload, Shape  # noqa: E402
+from ops_workloads import DTYPES, BatchWorkload, Shape  # noqa: E402
 
 
 def main(argv=None) -> int:

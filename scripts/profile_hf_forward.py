@@ -79,7 +79,8 @@ def main():
     p.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp"))
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from bench_hf_generate import FULL, SENTENCE
+    from bench_hf_generate import FULL
+    from hf_runs import SENTENCE
 
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
     from ssm_spec.hf.apply import cache_kwarg

@@ -1,7 +1,7 @@
 """Sweep the tiles (BV, num_warps) of fast mode's closed-form kernel, and check its bits.
 
 For each batch, window, candidate tile and register cap this times (CUDA graphs over rotating
-slot sets, L2 flushed: ``benchmarks/bench_ops.Timer``) the plain closed-form verify, the lazy
+slot sets, L2 flushed: ``benchmarks/timing.Timer``) the plain closed-form verify, the lazy
 verify with 12 tokens pending under ``max_pending = 16`` (history, no fold), the lazy fold with 15
 pending under ``max_pending = 16`` (the folding step of a lazy cycle) and the folded form with
 ``W`` pending under ``max_pending = 1`` (a fold every step); reports each as a fraction of the
@@ -31,7 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
-from bench_ops import Shape, Timer, aligned_rows, copy_bandwidth  # noqa: E402
+from ops_workloads import Shape, aligned_rows  # noqa: E402
+from roofline import copy_bandwidth  # noqa: E402
+from timing import Timer  # noqa: E402
 
 from ssm_spec.ops.gdn.closed_form import MAX_REGISTERS, RecordRing, launch_closed_form, ring_positions  # noqa: E402
 from ssm_spec.ops.gdn.inner import block_k, gdn_tile_config  # noqa: E402

@@ -5,7 +5,7 @@ ssm_spec/ops/gdn/inner.py states the reduction order), so each kernel takes its 
 tile per batch size; there is no autotuner (the kernels mutate state). For each candidate
 ``(BK = block_k(K), BV, num_warps)`` this measures, at one batch and window, the median time of
 verify, commit (n = W) and the snapshot (CUDA graphs over rotating slot sets, L2 flushed:
-``benchmarks/bench_ops.Timer``), checks on a small batch that commit lands on the snapshot's
+``benchmarks/timing.Timer``), checks on a small batch that commit lands on the snapshot's
 state bit for bit at every count 0..W (commit on the candidate and on the shipped commit tile),
 and that outputs, records and snapshot states equal the first candidate's bit for bit (the
 cross-tile check), and prints the table and each kernel's fastest tile.
@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # bench_ops; tests.helpers
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]  # the benchmarks' modules; tests.helpers
 
-from bench_ops import Shape, Timer, aligned_rows  # noqa: E402
+from ops_workloads import Shape, aligned_rows  # noqa: E402
+from timing import Timer  # noqa: E402
 
 from ssm_spec.ops.gdn.commit import launch_gdn_commit  # noqa: E402
 from ssm_spec.ops.gdn.inner import block_k, gdn_tile_config  # noqa: E402

@@ -289,7 +289,7 @@ def test_timing_spread_warns_when_timed_calls_disagree(capsys):
     """A run whose timed calls differ by more than the limit is named on stderr (the H200 case:
     12.7 s then 2.8 s after a short warm-up); close calls pass quietly; nonsense is refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from _results import TIMING_SPREAD_LIMIT, timing_spread
+    from timing import TIMING_SPREAD_LIMIT, timing_spread
 
     assert timing_spread("hf", [12.727, 2.831]) == pytest.approx(12.727 / 2.831)
     err = capsys.readouterr().err
