@@ -1,4 +1,4 @@
-"""``ssm-spec generate`` (ssm_spec/hf/cli_generate.py): the console script's main job.
+"""``ssm-spec generate`` (ssm_spec/hf/cli_generate.py and its cli_* parts): the console script's main job.
 
 The runs go through ``python -m ssm_spec`` in a subprocess, as a user runs them (the command
 sets process-wide state: transformers' verbosity, TF32 flags). ``OMP_NUM_THREADS=1``: the tiny
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ssm_spec import cli
-from ssm_spec.hf import cli_generate
+from ssm_spec.hf import cli_generate, cli_loading
 from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before the arguments were checked")
 
     monkeypatch.setattr(cli_generate, "load_model", refuse)
-    monkeypatch.setattr(cli_generate, "_load_pretrained", refuse)
+    monkeypatch.setattr(cli_loading, "_load_pretrained", refuse)  # where load_draft looks it up
 
 
 @pytest.mark.parametrize("argv, words", [
