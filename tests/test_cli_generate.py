@@ -1,4 +1,4 @@
-"""``ssm-spec generate`` (ssm_spec/hf/cli_generate.py): the console script's main job.
+"""``ssm-spec generate`` (ssm_spec/hf/cli_generate.py and its cli_* parts): the console script's main job.
 
 The runs go through ``python -m ssm_spec`` in a subprocess, as a user runs them (the command
 sets process-wide state: transformers' verbosity, TF32 flags). ``OMP_NUM_THREADS=1``: the tiny
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ssm_spec import cli
-from ssm_spec.hf import cli_generate
+from ssm_spec.hf import cli_generate, cli_loading
 from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def no_model_loads(monkeypatch):
         raise AssertionError("a model was loaded before the arguments were checked")
 
     monkeypatch.setattr(cli_generate, "load_model", refuse)
-    monkeypatch.setattr(cli_generate, "_load_pretrained", refuse)
+    monkeypatch.setattr(cli_loading, "_load_pretrained", refuse)  # where load_draft looks it up
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -355,3 +355,37 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     proc.stdout.close()  # before anything is written
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 1 and "Traceback" not in err, err
+
+
+def test_the_options_and_their_checks_import_neither_torch_nor_transformers(tmp_path):
+    """``ssm_spec.hf.cli_args`` (the parser, ``--help``, the checks that need no model) runs on
+    the standard library alone. The packages above it import torch in their ``__init__``, so
+    they stand here as bare packages of the same folders."""
+    code = ("import argparse, sys, types\n"
+            "from pathlib import Path\n"
+            "for name, folder in (('ssm_spec', 'ssm_spec'), ('ssm_spec.hf', 'ssm_spec/hf')):\n"
+            "    package = types.ModuleType(name)\n"
+            "    package.__path__ = [str(Path(folder).resolve())]\n"
+            "    sys.modules[name] = package\n"
+            "from ssm_spec.hf import cli_args\n"
+            "parser = argparse.ArgumentParser(prog='ssm-spec generate')\n"
+            "cli_args.add_arguments(parser)\n"
+            "assert '--max-new-tokens' in parser.format_help()\n"
+            "args = parser.parse_args(['--model', 'tiny-random', '--draft', 'demo', '--quiet'])\n"
+            "cli_args.resolve_names(args)\n"
+            "cli_args.check_values(args)\n"
+            "for bad in (['--repeats', '0'], ['--do-sample', '--check']):\n"
+            "    try:\n"
+            "        cli_args.check_values(parser.parse_args(bad))\n"
+            "    except cli_args.CLIError:\n"
+            "        pass\n"
+            "    else:\n"
+            "        raise AssertionError(bad)\n"
+            f"try:\n    cli_args.checkpoint_dir({str(tmp_path)!r}, '--model')\n"
+            "except cli_args.CLIError as exc:\n    assert 'no config.json' in str(exc), exc\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))\n"
+            "assert not loaded, loaded[:5]\n")
+    env = {**os.environ, "SSM_SPEC_DEMO_DIR": ""}  # the packaged pair, as a user runs it
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
