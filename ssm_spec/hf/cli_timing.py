@@ -83,33 +83,16 @@ def _gen_kwargs(args, model) -> dict:
     return kw
 
 
-class _StopAt:
-    """A ``generate`` stopping criterion: stop once the sequences hold ``length`` tokens (a
-    class of our own: transformers refuses a second ``MaxLengthCriteria``)."""
-
-    def __init__(self, length: int):
-        self.length = length
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
-                          device=input_ids.device)
-
-
 def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | None = None) -> RunResult:
     """Run ``model.generate`` on ``input_ids [1, L]`` once untimed (``--warmup`` tokens), then
     ``--repeats`` times timed, each with a progress bar. Returns a :class:`RunResult` (the
     median time, the last call's new tokens).
 
     ``speculative`` holds the draft arguments (``prompt_lookup_num_tokens`` or
-    ``assistant_model``); when given, ``model`` must be converted, and a fresh
-    :class:`~ssm_spec.hf.RecoverSSMCache` is passed so its ``stats`` come back in the result
-    (with ``cuda_graphs``, the model's kept graphed cache serves the call and gives them).
+    ``assistant_model``); when given, ``model`` must be converted, and the last call's
+    acceptance (:func:`~ssm_spec.hf.acceptance_stats`) comes back in the result.
     """
-    from transformers import StoppingCriteriaList
-
-    from .apply import cache_kwarg, is_converted
-    from .cache import RecoverSSMCache
-    from .config import kept_cache, recoverssm_config
+    from .config import acceptance_stats, is_converted, recoverssm_config
 
     kw = _gen_kwargs(args, model)
     kw.update(speculative or {})
@@ -119,18 +102,12 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         if args.warmup:
             if args.do_sample:
                 torch.manual_seed(args.seed)
-            warm = {**kw, "max_new_tokens": args.warmup}
-            if graphed:
-                # stops after --warmup tokens, but makes the kept cache (and its graphs) the timed call reuses
-                warm["stopping_criteria"] = StoppingCriteriaList([_StopAt(input_ids.shape[1] + args.warmup)])
-                warm["max_new_tokens"] = args.max_new_tokens
+            # graphed: the whole length, so the decode loop the timed calls reuse (its buffers, its
+            # captured rounds) is the one the warm-up builds
+            warm = {**kw, "max_new_tokens": args.max_new_tokens if graphed else args.warmup}
             model.generate(input_ids, attention_mask=mask, **warm)
         times, cpu_s = [], 0.0
         for i in range(args.repeats):
-            extra = {}
-            if speculative is not None and not graphed:
-                cache = RecoverSSMCache(model)  # passed in to read its acceptance stats afterwards
-                extra[cache_kwarg(model)] = cache
             label = desc if args.repeats == 1 else f"{desc} {i + 1}/{args.repeats}"
             streamer = ProgressStreamer(args.max_new_tokens, desc=label, disable=args.quiet)
             if args.do_sample:
@@ -138,7 +115,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
             _sync(input_ids.device)
             cpu0, start = time.process_time(), time.perf_counter()
             try:
-                out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **kw, **extra)
+                out = model.generate(input_ids, attention_mask=mask, streamer=streamer, **kw)
                 _sync(input_ids.device)
             finally:
                 streamer.bar.close()
@@ -146,6 +123,6 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
             cpu_s += time.process_time() - cpu0
     stats = None
     if speculative is not None:
-        stats = kept_cache(model).stats if graphed else extra[cache_kwarg(model)].stats
+        stats = acceptance_stats(model)  # the last call's: the decode loop's, or its cache's
     return RunResult(out[0, input_ids.shape[1]:].cpu(), statistics.median(times), stats, tuple(times), cpu_s,
                      sum(times))
