@@ -33,7 +33,14 @@ before the conversion and are compared with ``hf`` token for token like every ot
 5. ``graphs`` and 6. ``graphs+lookup``: (3) and (4) with ``apply_recoverssm(model,
    cuda_graphs=True)``: every forward after the prompt replays a captured CUDA graph
    (``ssm_spec.hf.graphed``; captured in the warm-up call, kept on the model). ``--no-graphs``
-   skips them.
+   skips them. (3)-(6) run through transformers' own decoding loop (``decode_loop=False``);
+7. ``loop`` and 8. ``loop+lookup``: the same through ssm-spec's decode loop (``decode_loop=True``,
+   the default of a converted model: the whole round on the device, captured as one CUDA graph
+   with ``--graphs`` on CUDA), at each ``--batch`` size (``loop@B``, ``loop+lookup@B`` beyond
+   batch 1), with the GPU time of one decode and one verify forward inside the loop
+   (``gpu_ms_per_decode_forward``, ``gpu_ms_per_verify_forward``: kernel time summed) and the
+   weight-read floor at the copy bandwidth measured in the run (``benchmarks/hf_loop_runs.py``).
+   ``--no-loop`` skips them.
 
 Every run produces exactly ``--new-tokens`` tokens (``max_new_tokens = min_new_tokens``). It
 reports tokens/s (prompt prefill included), the speedups of ``ours`` and ``ours+lookup`` over
@@ -165,6 +172,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "functions instead of fla-core's kernels)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the runs with apply_recoverssm(model, cuda_graphs=True)")
+    p.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="skip the runs through ssm-spec's decode loop (loop, loop+lookup)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
+                   help="batch sizes of the decode-loop runs (rows of the same length, each a rotation of the "
+                        "prompt; tokens/s counts every row's tokens): batch 1 is reported as loop / loop+lookup, "
+                        "the others as loop@B / loop+lookup@B; the other runs are batch 1")
     p.add_argument("--hf-verify-forward", action="store_true",
                    help="also time a W = k + 1 forward of the unconverted model (state advancing; compiles "
                         "fla's chunked kernels for a cached short window: ~15 s more on a fresh H200)")
@@ -196,6 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--attn-heads must be a multiple of --kv-heads")
     if not 1 <= args.experts_per_token <= args.experts or args.moe_intermediate < 1:
         p.error("--experts-per-token must be in 1..--experts, --moe-intermediate >= 1")
+    if min(args.batch) < 1:
+        p.error("--batch: every size must be >= 1")
     if min(args.new_tokens, args.num_draft_tokens, args.repeats, args.forward_reps, args.warmup_tokens) < 1:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
     if args.model is None and args.draft is not None:

@@ -13,10 +13,13 @@ each after a warm-up and as the median of ``--repeats`` calls (the CLI's
 3. ``ours+lookup``: prompt lookup (``prompt_lookup_num_tokens=k``);
 4. ``ours+draft``: the trained draft as the assistant (``num_assistant_tokens=k``), converted too;
 5. on CUDA unless ``--no-graphs``: (2)-(4) again with ``apply_recoverssm(cuda_graphs=True)``
-   (``graphs``, ``graphs+lookup``, ``graphs+draft``).
+   (``graphs``, ``graphs+lookup``, ``graphs+draft``). (2)-(5) run through transformers' own
+   decoding loop (``decode_loop=False``);
+6. unless ``--no-loop``: (2)-(4) through ssm-spec's decode loop (``loop``, ``loop+lookup``,
+   ``loop+draft``; each round captured as one CUDA graph on CUDA unless ``--no-graphs``).
 
 Reported: tokens/s, acceptance (mean accepted length, per-position rates, from the
-``RecoverSSMCache`` stats) and whether the tokens equal (1)'s; where they do not, the first new
+last call's :func:`~ssm_spec.hf.acceptance_stats`) and whether the tokens equal (1)'s; where they do not, the first new
 token that differs and the unconverted target's logit gaps there (top-1 minus top-2, and (1)'s
 token minus the run's), from one forward over the prompt and (1)'s tokens: a bf16 run parts
 from transformers at a near-tie, a bug at a clear winner.
@@ -182,16 +185,20 @@ def run_demo(ns) -> dict:
     plain = [timed_generate(target, x, args, desc="hf") for x in ids]
     plain_logits = [full_logits(target, torch.cat([x, r.new_tokens.to(x.device).reshape(1, -1)], 1))
                     for x, r in zip(ids, plain)]
-    apply_recoverssm(target)
+    apply_recoverssm(target, decode_loop=False)
     draft, _ = load_draft(args, target, device, dtype)
-    modes = [("", False)] + ([("graphs", True)] if ns.graphs and device.type == "cuda" else [])
+    # (run prefix, decode loop, CUDA graphs): transformers' loop eager and graphed, then ssm-spec's
+    # decode loop (graphed on CUDA with --graphs)
+    cuda = device.type == "cuda"
+    modes = [("", False, False)] + ([("graphs", False, True)] if ns.graphs and cuda else [])
+    modes += [("loop", True, bool(ns.graphs and cuda))] if ns.loop else []
     rows = []
     for i, (p, x) in enumerate(zip(prompts, ids)):
         rows.append({"file": p["file"], "kind": p["kind"], "prompt_tokens": x.shape[1],
                      "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s, "times_s": list(plain[i].times),
                                      "times_spread": timing_spread(f"hf, prompt {i}", plain[i].times)}}})
-    for prefix, graphs in modes:
-        apply_recoverssm(target, cuda_graphs=graphs)
+    for prefix, loop, graphs in modes:
+        apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs)
         for i, x in enumerate(ids):
             for name, spec in (("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
                                ("ours+draft", dict(assistant_model=draft))):

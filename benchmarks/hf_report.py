@@ -35,7 +35,9 @@ def print_table(res: dict) -> None:
     print("-" * len(head))
     for name in RUNS:
         if name not in res["runs"]:
-            why = res.get("skipped", {}).get(name) or ("--no-graphs" if "graphs" in name else "--no-hf-torch")
+            why = res.get("skipped", {}).get(name) or (
+                "--no-graphs" if "graphs" in name else "--no-loop or --batch without 1" if "loop" in name
+                else "--no-hf-torch")
             print(f"{name:<13} | skipped ({why})")
             continue
         r = res["runs"][name]
@@ -65,6 +67,7 @@ def print_table(res: dict) -> None:
                   f"{a['top1_minus_top2']:.4g}, logit(a)-logit(b) {a['logit_a_minus_b']:.4g}")
     if res["plain_min_logit_gap"] is not None:
         print(f"  smallest top1-top2 logit gap along hf: {res['plain_min_logit_gap']:.4g}")
+    print_loop(res)
     fw = res["forwards"]
     print(f"single forwards, warm cache (median ms): W=1 decode, W={k + 1} verify")
     o1, oW = fw["ours"]["1"], fw["ours"][str(k + 1)]
@@ -90,6 +93,30 @@ def print_table(res: dict) -> None:
               f"{res['speedup_graphs_lookup_over_graphs']:.2f}x")
 
 
+def print_loop(res: dict) -> None:
+    """The decode loop's section: per batch size, loop+lookup over loop beside the tokens per
+    round; the forward's GPU time against the floor and the wall time per token."""
+    lp = res.get("loop")
+    if not lp:
+        return
+    print(f"decode loop ({'CUDA graphs' if lp['cuda_graphs'] else 'eager'}): batch | loop tok/s | +lookup tok/s | "
+          f"ratio | tokens/round | ratio / tokens-per-round")
+    for B, e in lp["by_batch"].items():
+        mal = e["mean_accepted_length"]
+        share = f"{e['share_of_accepted_length']:.2f}" if e["share_of_accepted_length"] else "-"
+        print(f"  {B:>5} | {e['loop_tokens_per_s']:10.1f} | {e['loop_lookup_tokens_per_s']:13.1f} | "
+              f"{e['loop_lookup_over_loop']:5.2f} | {mal or 0:12.2f} | {share}"
+              + (f"  (capture failed: {e['capture_failed']})" if e["capture_failed"] else ""))
+    if "gpu_ms_per_decode_forward" in lp:
+        per_token = (f"; loop at batch 1: {lp['loop_ms_per_token']:.2f} ms per token = "
+                     f"{lp['loop_ms_per_token_over_gpu_forward']:.2f}x the decode forward" if "loop_ms_per_token" in lp else "")
+        print(f"  GPU time per forward (kernels summed): decode {lp['gpu_ms_per_decode_forward']:.3f} ms "
+              f"({lp['kernels_per_decode_forward']} kernels), verify W={lp['num_draft_tokens'] + 1} "
+              f"{lp['gpu_ms_per_verify_forward']:.3f} ms; weight-read floor {lp['weight_read_floor_ms']:.3f} ms "
+              f"({lp['param_bytes'] / 1e9:.2f} GB at {lp['copy_bandwidth_GBps']:.0f} GB/s): decode = "
+              f"{lp['gpu_forward_over_floor']:.2f}x the floor{per_token}")
+
+
 def print_kernels(res: dict) -> None:
     """The kernels each baseline ran on (and whether ``hf-torch`` is ``hf``'s path)."""
     if res["hf_kernels"]:
@@ -112,9 +139,10 @@ def save_plot(res: dict, path: Path) -> bool:
     labels = {"hf": "hf generate", "hf-torch": "hf generate\n(torch reference)",
               "hf_lookup": f"hf's own lookup k={k}", "hf_static": "hf static cache\n(compiled)", "ours": "ours generate",
               "ours+lookup": f"ours + lookup k={k}", "graphs": "ours generate\n(CUDA graphs)",
-              "graphs+lookup": f"ours + lookup k={k}\n(CUDA graphs)"}
+              "graphs+lookup": f"ours + lookup k={k}\n(CUDA graphs)", "loop": "ours decode loop",
+              "loop+lookup": f"decode loop\n+ lookup k={k}"}
     colors = {"hf": "tab:gray", "hf-torch": "silver", "hf_lookup": "tab:brown", "hf_static": "tab:red", "ours": "tab:blue", "ours+lookup": "tab:green",
-              "graphs": "tab:purple", "graphs+lookup": "tab:olive"}
+              "graphs": "tab:purple", "graphs+lookup": "tab:olive", "loop": "tab:cyan", "loop+lookup": "tab:pink"}
     vals = [tps[n] for n in names]
     bars = ax_g.bar([labels[n] for n in names], vals, color=[colors[n] for n in names])
     for bar, v in zip(bars, vals):

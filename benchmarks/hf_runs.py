@@ -11,12 +11,14 @@ import time
 import torch
 from hf_agreement import full_logits, token_agreement
 from hf_environment import environment, kernel_sources, same_kernels_why
+from hf_loop_runs import loop_runs
 from timing import Clock, Phases, timing_spread
 
 from ssm_spec.hf.kernels import hf_reference_kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RUNS = ("hf", "hf-torch", "hf_lookup", "hf_static", "ours", "ours+lookup", "graphs", "graphs+lookup")
+RUNS = ("hf", "hf-torch", "hf_lookup", "hf_static", "ours", "ours+lookup", "graphs", "graphs+lookup", "loop",
+        "loop+lookup")
 RUN_TITLES = {
     "hf": "(1) plain generate, unconverted model (transformers' GDN path, fla-core where installed)",
     "hf-torch": "(2) plain generate, unconverted model (transformers' PyTorch reference functions)",
@@ -26,6 +28,8 @@ RUN_TITLES = {
     "ours+lookup": "(4) prompt-lookup generate, converted model",
     "graphs": "(5) plain generate, converted model, forwards replayed as CUDA graphs",
     "graphs+lookup": "(6) prompt-lookup generate, converted model, forwards replayed as CUDA graphs",
+    "loop": "(7) plain generate, converted model, ssm-spec's decode loop (rounds captured as CUDA graphs)",
+    "loop+lookup": "(8) prompt-lookup generate, converted model, ssm-spec's decode loop",
 }
 SENTENCE = "The quick brown fox jumps over the lazy dog, and the dog sleeps in the sun. "
 
@@ -52,8 +56,9 @@ def gen_kwargs(n: int, attention_mask: torch.Tensor) -> dict:
 
 def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens, repeats,
                    make_extra=None) -> dict:
-    """Median wall time of ``repeats`` greedy ``generate`` calls (after one warm-up call of
-    ``warmup_tokens``); ``make_extra()`` gives per-call kwargs (a fresh cache)."""
+    """Median wall time of ``repeats`` greedy ``generate`` calls on ``ids [B, P]`` (after one
+    warm-up call of ``warmup_tokens``); ``make_extra()`` gives per-call kwargs (a fresh cache).
+    ``tokens`` are row 0's new tokens; ``tokens_per_s`` counts every row's."""
     mask = torch.ones_like(ids)
     extra = make_extra() if make_extra else {}
     with phases(f"{name} warm-up"):
@@ -65,13 +70,14 @@ def timed_generate(model, ids, clock, phases, name, *, new_tokens, warmup_tokens
         out = model.generate(ids, **gen_kwargs(new_tokens, mask), **last_extra)
         times.append(clock() - t0)
         new = out[0, ids.shape[1]:].tolist()
+        rows = out.shape[0]
         if seq is not None and new != seq:
             print("warning: repeated generate calls gave different tokens", file=sys.stderr)
         seq = new
     med = statistics.median(times)
     phases.seconds[f"{name} timed"] = sum(times)
-    return {"tokens": seq, "new_tokens": len(seq), "times_s": times, "time_s": med,
-            "times_spread": timing_spread(name, times), "tokens_per_s": len(seq) / med, "extra": last_extra}
+    return {"tokens": seq, "new_tokens": len(seq), "rows": rows, "times_s": times, "time_s": med,
+            "times_spread": timing_spread(name, times), "tokens_per_s": rows * len(seq) / med, "extra": last_extra}
 
 
 def timed_generate_hf_torch(model, ids, clock, phases, hf_kernels: dict, **common) -> tuple[dict, dict]:
@@ -219,8 +225,10 @@ def run(args) -> dict:
             hf_forwards = {"error": f"{type(exc).__name__}: {exc}"}
 
     # (3), (4): the same weights, converted in place.
+    # (3)-(6) through transformers' own decoding loop (the converted cache and graphed forwards);
+    # (7), (8) through ssm-spec's decode loop, after them.
     with phases("convert"):
-        apply_recoverssm(model, state_dtype=state_dtype)
+        apply_recoverssm(model, state_dtype=state_dtype, decode_loop=False)
     key = cache_kwarg(model)
     runs["ours"] = timed_generate(model, prompt, clock, phases, "ours", **common)
     print(f"ours:        {runs['ours']['tokens_per_s']:8.1f} tok/s", flush=True)
@@ -248,6 +256,10 @@ def run(args) -> dict:
                   "acceptance": acceptance_summary(gcache.stats)}
         apply_recoverssm(model, cuda_graphs=False)
 
+    loop = None
+    if args.loop:
+        loop = loop_runs(model, tok, SENTENCE, args, timed_generate, common, phases, clock, runs)
+
     with phases("ours forwards"):
         ours_forwards = time_forwards(
             model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
@@ -259,6 +271,8 @@ def run(args) -> dict:
     pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
     if graphs is not None:
         pairs += [("hf", "graphs"), ("hf", "graphs+lookup"), ("ours", "graphs"), ("ours+lookup", "graphs+lookup")]
+    if "loop" in runs:
+        pairs += [("hf", "loop"), ("hf", "loop+lookup"), ("ours", "loop"), ("loop", "loop+lookup")]
     with phases("agreement"):
         agreement = token_agreement(runs, pairs, plain_logits, prompt, model)
     top2 = torch.topk(plain_logits[P - 1:P - 1 + N], 2).values
@@ -266,7 +280,7 @@ def run(args) -> dict:
 
     for r in runs.values():
         r.pop("extra", None)
-    tps = {name: runs[name]["tokens_per_s"] for name in RUNS if name in runs}
+    tps = {name: r["tokens_per_s"] for name, r in runs.items()}
     fw1, fwW = ours_forwards["1"], ours_forwards[str(k + 1)]
     res = {
         "environment": environment(device),
@@ -274,7 +288,8 @@ def run(args) -> dict:
                    "params": n_params, "seed": args.seed, "prompt_len": P, "prompt_repeats": args.prompt_repeats,
                    "new_tokens": N, "num_draft_tokens": k, "repeats": args.repeats,
                    "warmup_tokens": args.warmup_tokens, "forward_reps": args.forward_reps, "quick": args.quick,
-                   "batch": 1, "greedy": True, "hf_torch": args.hf_torch, "graphs": args.graphs},
+                   "batch": 1, "loop_batches": list(args.batch) if args.loop else [], "greedy": True,
+                   "hf_torch": args.hf_torch, "graphs": args.graphs},
         "hf_kernels": kernels,
         "hf_torch_kernels": hf_torch["kernels"],
         "hf_torch_patched": hf_torch["patched"],
@@ -296,6 +311,11 @@ def run(args) -> dict:
         "speedup_graphs_lookup_over_hf_torch": ratio(tps, "graphs+lookup", "hf-torch"),
         "speedup_graphs_over_hf_static": ratio(tps, "graphs", "hf_static"),
         "speedup_graphs_lookup_over_hf_lookup": ratio(tps, "graphs+lookup", "hf_lookup"),
+        "loop": loop,
+        "speedup_loop_over_hf_static": ratio(tps, "loop", "hf_static"),
+        "speedup_loop_over_graphs": ratio(tps, "loop", "graphs"),
+        "speedup_loop_lookup_over_graphs_lookup": ratio(tps, "loop+lookup", "graphs+lookup"),
+        "speedup_loop_lookup_over_hf_lookup": ratio(tps, "loop+lookup", "hf_lookup"),
         "agreement": agreement,
         "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
         "plain_logit_gaps": gen_gaps,
