@@ -172,6 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "functions instead of fla-core's kernels)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the runs with apply_recoverssm(model, cuda_graphs=True)")
+    p.add_argument("--skip", nargs="+", default=[], choices=["hf_lookup", "hf_static"], metavar="RUN",
+                   help="transformers' optional runs to leave out: hf_lookup, hf_static (recorded as skipped)")
     p.add_argument("--no-loop", dest="loop", action="store_false",
                    help="skip the runs through ssm-spec's decode loop (loop, loop+lookup)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",

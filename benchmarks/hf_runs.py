@@ -206,6 +206,9 @@ def run(args) -> dict:
         print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
     skipped = {}
     for name, extra in (("hf_lookup", {"prompt_lookup_num_tokens": k}), ("hf_static", {"cache_implementation": "static"})):
+        if name in args.skip:
+            skipped[name] = "--skip"
+            continue
         try:
             runs[name] = timed_generate(model, prompt, clock, phases, name, make_extra=lambda extra=extra: dict(extra),
                                         **common)
