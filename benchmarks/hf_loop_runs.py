@@ -72,12 +72,16 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
             bandwidth = copy_bandwidth(device)
             floor_ms, nbytes = weight_read_floor_ms(model, bandwidth)
             decode = loop_forward_gpu_ms(model, 1)
-            verify = loop_forward_gpu_ms(model, k + 1)
+            widths = sorted({4, k + 1})  # W = 4 and k + 1: the verify widths of k = 3 and of this run
+            by_width = {W: loop_forward_gpu_ms(model, W) for W in widths}
+            verify = by_width[k + 1]
         section.update(copy_bandwidth_GBps=bandwidth / 1e9, param_bytes=nbytes, weight_read_floor_ms=floor_ms,
                        gpu_ms_per_decode_forward=decode["ms"], gpu_ms_per_verify_forward=verify["ms"],
                        kernels_per_decode_forward=decode["kernels"], kernels_per_verify_forward=verify["kernels"],
                        gpu_forward_over_floor=decode["ms"] / floor_ms,
-                       verify_over_decode_gpu=verify["ms"] / decode["ms"])
+                       verify_over_decode_gpu=verify["ms"] / decode["ms"],
+                       gpu_ms_per_verify_forward_by_width={str(W): r["ms"] for W, r in by_width.items()},
+                       verify_over_decode_gpu_by_width={str(W): r["ms"] / decode["ms"] for W, r in by_width.items()})
         if "1" in section["by_batch"]:
             ms_per_token = 1e3 / section["by_batch"]["1"]["loop_tokens_per_s"]
             section.update(loop_ms_per_token=ms_per_token,

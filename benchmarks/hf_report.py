@@ -112,7 +112,9 @@ def print_loop(res: dict) -> None:
                      f"{lp['loop_ms_per_token_over_gpu_forward']:.2f}x the decode forward" if "loop_ms_per_token" in lp else "")
         print(f"  GPU time per forward (kernels summed): decode {lp['gpu_ms_per_decode_forward']:.3f} ms "
               f"({lp['kernels_per_decode_forward']} kernels), verify W={lp['num_draft_tokens'] + 1} "
-              f"{lp['gpu_ms_per_verify_forward']:.3f} ms; weight-read floor {lp['weight_read_floor_ms']:.3f} ms "
+              f"{lp['gpu_ms_per_verify_forward']:.3f} ms (verify / decode: " + ", ".join(
+                  f"W={w} {r:.2f}x" for w, r in lp["verify_over_decode_gpu_by_width"].items())
+              + f"); weight-read floor {lp['weight_read_floor_ms']:.3f} ms "
               f"({lp['param_bytes'] / 1e9:.2f} GB at {lp['copy_bandwidth_GBps']:.0f} GB/s): decode = "
               f"{lp['gpu_forward_over_floor']:.2f}x the floor{per_token}")
 
