@@ -39,6 +39,19 @@ class PrefillRow:
     boundaries: tuple[tuple[int, int], ...] = ()
 
 
+def group_prefill_rows(rows) -> tuple[dict[int, list[PrefillRow]], list[PrefillRow]]:
+    """``(groups, rest)``: the prefill ``rows`` without align-mode boundaries in groups of one
+    length (``{length: rows}``, two rows or more each), the others (single-length rows and rows
+    with boundaries) in ``rest``, for the per-row path. A group runs as one batched prefill."""
+    groups: dict[int, list] = {}
+    rest = []
+    for row in rows:
+        (rest if row.boundaries else groups.setdefault(row.eos - row.bos, [])).append(row)
+    for length in [n for n, group in groups.items() if len(group) == 1]:
+        rest.extend(groups.pop(length))
+    return groups, rest
+
+
 def _fail(arg, got, expected):
     raise ValueError(f"RecoverSSMMetadata: {arg}: got {got}; expected {expected}")
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..metadata import RecoverSSMMetadata
+from ..metadata import RecoverSSMMetadata, group_prefill_rows
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
 from .prefill import gdn_prefill_row, gdn_prefill_rows_batched, uses_fla
 from .short_conv import check_inference, run_short_conv
@@ -197,14 +197,8 @@ class RecoverGatedDeltaNet(nn.Module):
     def _prefill_batched(rows, q, k, v, g, beta, state, core, scale):
         """Prefill the rows without boundaries in groups of equal length (one token loop per
         group, :func:`gdn_prefill_rows_batched`); returns the rows left for the per-row path."""
-        groups: dict[int, list] = {}
-        rest = []
-        for row in rows:
-            (rest if row.boundaries else groups.setdefault(row.eos - row.bos, [])).append(row)
-        for length, group in groups.items():
-            if len(group) == 1:
-                rest.extend(group)
-                continue
+        groups, rest = group_prefill_rows(rows)
+        for group in groups.values():
             idx = torch.stack([torch.arange(r.bos, r.eos, device=q.device) for r in group])  # [R, L]
             init = torch.stack([state[r.src].float() if r.src >= 0 else
                                 state.new_zeros(state.shape[1:], dtype=torch.float32) for r in group])

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..metadata import RecoverSSMMetadata
+from ..metadata import RecoverSSMMetadata, group_prefill_rows
 from ..ops import _eager
 from ..pools import ConvStateSpec, StatePool
 from .prefill import conv_prefill_row, conv_prefill_rows
@@ -28,14 +28,8 @@ def check_inference(name: str, x: torch.Tensor, module) -> None:
 def _prefill_batched(rows, x, weight, bias, conv_state, out, dilation, activation):
     """The prefill rows without boundaries in groups of one length, each group one batched
     conv (:func:`conv_prefill_rows`); returns the rows left for the per-row path."""
-    groups: dict[int, list] = {}
-    rest = []
-    for row in rows:
-        (rest if row.boundaries else groups.setdefault(row.eos - row.bos, [])).append(row)
-    for length, group in groups.items():
-        if len(group) == 1:
-            rest.extend(group)
-            continue
+    groups, rest = group_prefill_rows(rows)
+    for group in groups.values():
         idx = torch.stack([torch.arange(r.bos, r.eos, device=x.device) for r in group])
         init = torch.stack([conv_state[r.src] if r.src >= 0 else conv_state.new_zeros(conv_state.shape[1:])
                             for r in group])

@@ -217,16 +217,12 @@ class PendingWindows:
 
 
     def discard(self, slots=None) -> None:
-        """Folded mode: drop the pending windows of ``slots`` (default: all) without committing
-        them (a finished request whose state is not kept; a slot handed to a new request).
-
-        Between a step's forward and its commit, the slots that step verified keep what their
-        verify used, in both folded pools (the exact one's verify has taken the window over; a
-        fast folded pool's verify read the pending tokens): discard them after the commit.
+        """The bookkeeping of :meth:`ssm_spec.StatePool.discard` (its docstring says what and when):
+        the pending counts of ``slots`` (default: all) drop to zero, except the slots of a step in
+        flight in ring mode.
 
         Raises:
-            ValueError: not a folded pool; slots that are not ints or lie outside
-                ``0..num_slots - 1`` (one host read for a tensor).
+            ValueError: slots that are not ints or lie outside ``0..num_slots - 1``.
         """
         if slots is None:
             slots = torch.arange(self.num_slots, device=self.device)
