@@ -5,6 +5,7 @@ environment variable and cuDNN flag are set here, before any kernel module is im
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
@@ -41,15 +42,14 @@ def _hf_reference_kernels():
         yield
 
 
-#: The files whose tests exercise the Hugging Face path; marked ``hf``, so ``.ci/run`` runs them
-#: again on a second transformers release (``pytest -m hf``).
-HF_TEST_FILES = {"test_hf_rollback.py", "test_hf_generate.py", "test_hf_graphs.py", "test_hf_model_classes.py",
-                 "test_fast_mode_hf.py", "test_cli_generate.py", "test_device_map.py", "test_demo_model.py"}
+#: The Hugging Face path's tests live under tests/hf/; every one is marked ``hf``, so ``.ci/run``
+#: runs them again on a second transformers release (``pytest -m hf``).
+HF_TESTS = Path(__file__).resolve().parent / "hf"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in HF_TEST_FILES:
+        if item.path.resolve().is_relative_to(HF_TESTS):
             item.add_marker(pytest.mark.hf)
 
 

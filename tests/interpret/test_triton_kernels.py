@@ -252,7 +252,7 @@ def test_bits_do_not_depend_on_the_tile():
     row and a masked last V tile (V=24): outputs, records and states bit-identical to the
     first tile's, commit on the snapshot's states. The interpreter has no layouts, so this
     checks the code's own order (``kdot``) and the tiling (the grid over V, the masks); the
-    layouts are test_gdn_ops.test_bits_do_not_depend_on_the_tile_on_gpu's."""
+    layouts are tests/ops/gdn/test_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu's."""
     W, HV, H, K, V = 4, 4, 2, 16, 24
     lengths, srcs = [W, 2, 3], [0, -1, 3]
     qsl = qsl_from_lengths(lengths, "cpu")
