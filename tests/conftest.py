@@ -15,8 +15,8 @@ import torch  # noqa: E402
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
 
-# tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1 in its own process
-# (tests/test_triton_interpret.py starts it); a normal session must not import it.
+# tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1, in a pytest process of its
+# own (.ci/run's second command); a normal session must not import it.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpret"]
 
 HAS_CUDA = torch.cuda.is_available()
@@ -52,18 +52,3 @@ def pytest_collection_modifyitems(config, items):
         if item.path.resolve().is_relative_to(HF_TESTS):
             item.add_marker(pytest.mark.hf)
 
-
-def pytest_collection_finish(session):
-    """Start the Triton interpreter's process (tests/test_triton_interpret.py) right after
-    collection when its test is selected, so it runs beside the rest of the suite."""
-    for item in session.items:
-        if item.name == "test_triton_kernels_under_interpreter":
-            item.module.start_interpreter_suite()
-            break
-
-
-def pytest_sessionfinish(session):
-    for item in getattr(session, "items", []):
-        if item.name == "test_triton_kernels_under_interpreter":
-            item.module.stop_interpreter_suite()  # only if the session ended before its test
-            break

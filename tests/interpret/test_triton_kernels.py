@@ -1,7 +1,8 @@
 """The Triton kernels themselves, run eagerly on CPU tensors under ``TRITON_INTERPRET=1``.
 
-Collected only when ``TRITON_INTERPRET=1`` is set before import (``tests/conftest.py``);
-``tests/test_triton_interpret.py`` starts this file in its own process. Kernels are called
+Collected only when ``TRITON_INTERPRET=1`` is set before import (``tests/conftest.py``): a
+pytest process of its own runs this folder (``.ci/run``'s second command,
+``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= pytest tests/interpret``). Kernels are called
 through their launchers (the ops would route CPU tensors to the CPU kernels). Activations are
 fp32/fp16: the interpreter mishandles bf16 arithmetic.
 """
