@@ -2,7 +2,7 @@
 
 Prints the relative error (float64 norms) of fla's ``chunk_gated_delta_rule`` (chunk sizes 16,
 32, 64) and of our fp32 token loop, both against the float64 token loop, on two input
-families: the strongly gated random layers of tests/test_modules.py (g down to about -8 per
+families: the strongly gated random layers of tests/modules/test_modules.py (g down to about -8 per
 token) and mild gates like a trained model's (g in [-0.5, 0]). Run on CUDA with fla-core
 installed and TRITON_F32_DEFAULT=ieee.
 """

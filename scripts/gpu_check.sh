@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
 #   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [tp]     (default: tests bench)
-#   GPU_TESTS="tests/test_x.py ..." limits the tests part to those files (default: tests/)
-#   GPU_TEST_GROUPS="tests/a.py tests/b.py|tests/c.py" runs each group in its own pytest process at
+#   GPU_TESTS="tests/hf tests/ops/gdn/test_ops.py ..." limits the tests part to those folders and files (default: tests/)
+#   GPU_TEST_GROUPS="tests/a.py tests/b|tests/c/d.py" (files or folders) runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
 #   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit)
 #   tp (2 or more GPUs): the NCCL tensor-parallel tests, the captured step at TP 1 and N and its
@@ -70,8 +70,12 @@ for part in $PARTS; do
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
       if [ -n "${GPU_TEST_GROUPS:-}" ]; then  # "a.py b.py|c.py|...": groups run at once (one GPU, 16 cores)
         IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
-        for f in tests/test_*.py; do  # a file in no group would be skipped silently
-          [[ " ${groups[*]} " == *" $f "* ]] || echo "note: $f is in no GPU_TEST_GROUPS group"
+        shopt -s globstar
+        for f in tests/**/test_*.py; do  # a file in no group would be skipped silently
+          [[ $f == tests/interpret/* ]] && continue  # .ci/run's interpreter process; never under -m gpu
+          covered=0
+          for g in ${groups[*]}; do [[ $f == "$g" || $f == "${g%/}"/* ]] && covered=1; done
+          [ "$covered" = 1 ] || echo "note: $f is in no GPU_TEST_GROUPS group"
         done
         # each group its share of the cores: oversubscribed OpenMP threads slowed the CPU halves
         # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group
@@ -211,7 +215,7 @@ for part in $PARTS; do
       }
       if [ "${TP_TESTS:-1}" != 0 ]; then
         tp_timed "$tp/logs/tests.log" "${GPU_TEST_TIMEOUT:-0}" python3 -m pytest -q -p no:cacheprovider -m gpu \
-          tests/test_tensor_parallel.py
+          tests/modules/test_tensor_parallel.py
         rc=$?
         summary+=("tp tests ($ngpu GPUs) [rc $rc]: $(tail -n 1 "$tp/logs/tests.log")")
         grep -E "^(FAILED|ERROR)" "$tp/logs/tests.log" | head -n 20

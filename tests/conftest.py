@@ -5,6 +5,7 @@ environment variable and cuDNN flag are set here, before any kernel module is im
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
@@ -14,8 +15,8 @@ import torch  # noqa: E402
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
 
-# tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1 in its own process
-# (tests/test_triton_interpret.py starts it); a normal session must not import it.
+# tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1, in a pytest process of its
+# own (.ci/run's second command); a normal session must not import it.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpret"]
 
 HAS_CUDA = torch.cuda.is_available()
@@ -41,29 +42,13 @@ def _hf_reference_kernels():
         yield
 
 
-#: The files whose tests exercise the Hugging Face path; marked ``hf``, so ``.ci/run`` runs them
-#: again on a second transformers release (``pytest -m hf``).
-HF_TEST_FILES = {"test_hf_rollback.py", "test_hf_generate.py", "test_hf_graphs.py", "test_hf_model_classes.py",
-                 "test_fast_mode_hf.py", "test_cli_generate.py", "test_device_map.py", "test_demo_model.py"}
+#: The Hugging Face path's tests live under tests/hf/; every one is marked ``hf``, so ``.ci/run``
+#: runs them again on a second transformers release (``pytest -m hf``).
+HF_TESTS = Path(__file__).resolve().parent / "hf"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in HF_TEST_FILES:
+        if item.path.resolve().is_relative_to(HF_TESTS):
             item.add_marker(pytest.mark.hf)
 
-
-def pytest_collection_finish(session):
-    """Start the Triton interpreter's process (tests/test_triton_interpret.py) right after
-    collection when its test is selected, so it runs beside the rest of the suite."""
-    for item in session.items:
-        if item.name == "test_triton_kernels_under_interpreter":
-            item.module.start_interpreter_suite()
-            break
-
-
-def pytest_sessionfinish(session):
-    for item in getattr(session, "items", []):
-        if item.name == "test_triton_kernels_under_interpreter":
-            item.module.stop_interpreter_suite()  # only if the session ended before its test
-            break

@@ -24,7 +24,7 @@ Capture first runs the forward eagerly on a side stream with host syncs turned i
 model that synchronises (for example a mixture-of-experts layer that routes on the host) or
 that CUDA graphs cannot hold falls back to eager forwards with one warning, never to wrong
 results. Replaying is exact: the graph runs the same kernels on the same inputs as the eager
-body (tests/test_hf_graphs.py compares them token for token on the GPU).
+body (tests/hf/test_graphs.py compares them token for token on the GPU).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The Triton kernels themselves, run eagerly on CPU tensors under ``TRITON_INTERPRET=1``.
 
-Collected only when ``TRITON_INTERPRET=1`` is set before import (``tests/conftest.py``);
-``tests/test_triton_interpret.py`` starts this file in its own process. Kernels are called
+Collected only when ``TRITON_INTERPRET=1`` is set before import (``tests/conftest.py``): a
+pytest process of its own runs this folder (``.ci/run``'s second command,
+``TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= pytest tests/interpret``). Kernels are called
 through their launchers (the ops would route CPU tensors to the CPU kernels). Activations are
 fp32/fp16: the interpreter mishandles bf16 arithmetic.
 """
@@ -252,7 +253,7 @@ def test_bits_do_not_depend_on_the_tile():
     row and a masked last V tile (V=24): outputs, records and states bit-identical to the
     first tile's, commit on the snapshot's states. The interpreter has no layouts, so this
     checks the code's own order (``kdot``) and the tiling (the grid over V, the masks); the
-    layouts are test_gdn_ops.test_bits_do_not_depend_on_the_tile_on_gpu's."""
+    layouts are tests/ops/gdn/test_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu's."""
     W, HV, H, K, V = 4, 4, 2, 16, 24
     lengths, srcs = [W, 2, 3], [0, -1, 3]
     qsl = qsl_from_lengths(lengths, "cpu")

@@ -9,7 +9,7 @@ states its summation order in code instead of leaving it to ``tl.sum`` (whose tr
 layout Triton picks for a tile): so the tile (``BV``, ``num_warps``) and the compiled mode
 (verify, snapshot, fold) change speed, never bits, and each kernel takes its own fastest tile
 per batch size (:mod:`~ssm_spec.ops.gdn.tiles`). Tested on the H200 across tiles
-(``tests/test_gdn_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu``, ``scripts/tune_gdn.py``).
+(``tests/ops/gdn/test_ops.py::test_bits_do_not_depend_on_the_tile_on_gpu``, ``scripts/tune_gdn.py``).
 
 History (``docs/perf-notes.md``): with ``tl.sum`` the order depended on the layout, and even
 two compiled modes of one kernel (verify, snapshot) disagreed in the last bit; the kernels

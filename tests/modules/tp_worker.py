@@ -1,4 +1,4 @@
-"""The per-rank body of the tensor-parallel tests (``tests/test_tensor_parallel.py``), in its
+"""The per-rank body of the tensor-parallel tests (``tests/modules/test_tensor_parallel.py``), in its
 own module so ``spawn``-started processes can import it.
 
 Every entry point takes ``(rank, world, port, arg, result_dir, backend="gloo")``: ``gloo`` runs

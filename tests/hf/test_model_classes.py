@@ -14,11 +14,11 @@ transformers = pytest.importorskip("transformers")
 from ssm_spec.hf import apply_recoverssm, kept_cache  # noqa: E402
 from ssm_spec.hf.tiny import KINDS, tiny_model  # noqa: E402
 from tests.helpers import first_divergence  # noqa: E402
-from tests.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
+from tests.hf.test_cli_generate import _assert_ok_and_equal, _run  # noqa: E402
 
 PROMPT = torch.tensor([list(b"def add(x, y):\n    return x + y\n\ndef add(x, y):\n    return")])
 NEW = 256
-NEW_KINDS = ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]  # the dense ones: tests/test_hf_generate.py
+NEW_KINDS = ["qwen3_next_moe", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]  # the dense ones: tests/hf/test_generate.py
 
 
 def test_kinds_cover_every_published_class():

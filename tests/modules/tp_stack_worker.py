@@ -1,7 +1,7 @@
-"""The per-rank body of the tensor-parallel ``DecoderStack`` tests (``tests/test_tensor_parallel.py``):
+"""The per-rank body of the tensor-parallel ``DecoderStack`` tests (``tests/modules/test_tensor_parallel.py``):
 spec-decode steps of the sharded stack against the unsharded one, and (on GPUs) the sharded
 stack's captured step against its eager step. Entry points take ``(rank, world, port, arg,
-result_dir, backend="gloo")`` like :mod:`tests.tp_worker`'s."""
+result_dir, backend="gloo")`` like :mod:`tests.modules.tp_worker`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.tp_worker import _as_rank
+from tests.modules.tp_worker import _as_rank
 
 #: Small widths: 4 layers (GDN x3, attention), every width divisible by 2 (and by 4 but the KV heads).
 WIDTHS = dict(vocab_size=64, hidden_size=32, num_layers=4, intermediate_size=64, num_k_heads=4, num_v_heads=8,

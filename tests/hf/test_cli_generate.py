@@ -19,12 +19,12 @@ from ssm_spec import cli
 from ssm_spec.hf import cli_generate, cli_loading
 from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args, timeout=300):
     """``ssm-spec generate ARGS`` in a subprocess; the tiny random model unless ARGS name a
-    ``--model`` (the default, the demo model, is tested in tests/test_demo_model.py)."""
+    ``--model`` (the default, the demo model, is tested in tests/hf/test_demo_model.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     model = [] if "--model" in map(str, args) else ["--model", "tiny-random"]
     return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *model, *map(str, args)], cwd=ROOT,

@@ -19,11 +19,11 @@ transformers = pytest.importorskip("transformers")
 
 from ssm_spec.assets import DEMO_NAMES, demo_available, demo_checkpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_demo_model as tdm  # noqa: E402
-from tests.test_cli_generate import _row  # noqa: E402
+from tests.hf.test_cli_generate import _row  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not demo_available("target") or not demo_available("draft"),
                                 reason="this build carries no demo pair")

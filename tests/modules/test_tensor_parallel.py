@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import tp_stack_worker, tp_worker
+from tests.modules import tp_stack_worker, tp_worker
 
 TIMEOUT_S = 240
 
