@@ -22,6 +22,19 @@ class CaptureError(RuntimeError):
     capture forbids, or allocated memory outside the graph pool while being captured."""
 
 
+def _where(exc: BaseException) -> str:
+    """`` (at file:line in function)``: the innermost frame of ``exc``'s traceback outside torch,
+    the call that synchronised or failed (empty when there is none)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename.replace("\\", "/") and not f.filename.endswith("capture.py")]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()[:120]})"
+
+
 @contextlib.contextmanager
 def host_syncs_raise():
     """Inside the block a host synchronisation (``.item()``, ``.tolist()``, a device-to-host
@@ -90,7 +103,7 @@ class GraphCapture:
         except RuntimeError as exc:  # torch.AcceleratorError (CUDA errors) derives from it
             torch.cuda.synchronize(self.device)
             raise CaptureError(f"{self.name}: warming up {what}: it synchronised with the host or failed on the "
-                               f"device: {exc}") from exc
+                               f"device: {exc}{_where(exc)}") from exc
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def capture(self, fn, what: str = "the step", generator: torch.Generator | None = None):
@@ -120,7 +133,7 @@ class GraphCapture:
         except RuntimeError as exc:
             torch.cuda.synchronize(self.device)
             raise CaptureError(f"{self.name}: capturing {what}: it synchronised with the host or ran an operation "
-                               f"CUDA graphs cannot hold: {exc}") from exc
+                               f"CUDA graphs cannot hold: {exc}{_where(exc)}") from exc
         new = {a: s for a, s in after.items() if a not in before}
         if new:
             raise CaptureError(f"{self.name}: capturing {what}: it allocated {len(new)} block(s), "

@@ -634,3 +634,19 @@ def test_compile_step_refuses_a_generator_and_a_bad_temperature():
         compile_step(model, pool, generator=torch.Generator())
     with pytest.raises(ValueError, match="temperature"):
         compile_step(model, pool, temperature=0.0)
+
+
+def _reads_back(t):
+    return t.tolist()  # the host read a capture refuses
+
+
+def test_capture_errors_name_the_call_that_synchronised():
+    """The warm-up's and the capture's errors name the innermost frame outside torch (the call
+    that synchronised), so a refused capture says where to look without a GPU debugger."""
+    from ssm_spec.capture import _where
+
+    try:
+        _reads_back(torch.ones(2, device="meta"))
+    except Exception as exc:  # meta tensors have no data: the same frame raises on any device
+        where = _where(exc)
+    assert "test_graphs.py" in where and "_reads_back" in where and "t.tolist()" in where, where

@@ -127,6 +127,11 @@ class DecodeLoop:
             return
         self.rows.finished.fill_(True)
         try:
+            # once unchecked first: what runs only on a first call (buffers made lazily, autotuners
+            # timing their candidates, library plans) may wait for the device; the checked warm-up
+            # and the capture then see only what every round does
+            self._rounds()
+            torch.cuda.synchronize(self.rows.device)
             self._capture.warmup(self._rounds, what="a round")
             self.graph, _ = self._capture.capture(self._rounds, what="a round")
         except CaptureError as exc:  # loud, never silently wrong: the same rounds then run eagerly
