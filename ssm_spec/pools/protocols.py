@@ -243,7 +243,12 @@ class Folded(Protocol):
     def plan(self, pool, metadata, device, layer):
         if metadata.align:
             raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-        return pool.pending.fold_plan(metadata, device, layer)
+        return self._pending_plan(pool.pending, metadata, device, layer)
+
+    @staticmethod
+    def _pending_plan(pending, metadata, device, layer):
+        """What this step's verify folds in on the way (the previous step's accepted windows)."""
+        return pending.fold_plan(metadata, device, layer)
 
     def verify(self, pool, layer, args, out, metadata, plan, scale: float) -> None:
         rec = pool.gdn_record(layer, out.shape[0])
@@ -294,10 +299,10 @@ class Lazy(Folded):
     ring = True
     double_buffered = False
 
-    def plan(self, pool, metadata, device, layer):
-        if metadata.align:
-            raise ValueError("RecoverGatedDeltaNet: a folded pool (StatePool(folded=True)) supports no align mode")
-        return pool.pending.lazy_plan(metadata, device, layer)
+    @staticmethod
+    def _pending_plan(pending, metadata, device, layer):
+        """The rings' plan: what each slot keeps pending and what it folds in at this step."""
+        return pending.lazy_plan(metadata, device, layer)
 
     def verify(self, pool, layer, args, out, metadata, plan, scale: float) -> None:
         _eager.call("gdn_closed_form_folded_verify", *args, out, *pool.gdn_ring(layer), *plan, metadata.max_window,
