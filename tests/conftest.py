@@ -44,7 +44,8 @@ def _hf_reference_kernels():
 #: The files whose tests exercise the Hugging Face path; marked ``hf``, so ``.ci/run`` runs them
 #: again on a second transformers release (``pytest -m hf``).
 HF_TEST_FILES = {"test_hf_rollback.py", "test_hf_generate.py", "test_hf_graphs.py", "test_hf_model_classes.py",
-                 "test_fast_mode_hf.py", "test_cli_generate.py", "test_device_map.py", "test_demo_model.py"}
+                 "test_fast_mode_hf.py", "test_cli_generate.py", "test_device_map.py", "test_demo_model.py",
+                 "test_mtp.py"}
 
 
 def pytest_collection_modifyitems(config, items):
