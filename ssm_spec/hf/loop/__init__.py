@@ -4,9 +4,8 @@ transformers prepares the call as usual (generation config, special tokens, leng
 processors, stopping criteria) and hands it to :func:`loop_generate` through its
 ``custom_generate`` hook; the loop then runs plain decoding, prompt lookup, an assistant's
 drafts or the checkpoint's MTP head's (``use_mtp=True``) for any batch size, every round on the
-device (:mod:`.runner`). A call the loop does not
-cover (:func:`blocker`, or a processor found at run time) goes to transformers' own loop with
-one warning that names the option.
+device (:mod:`.runner`). A call the loop does not cover (:func:`blocker`, or a processor found
+at run time) goes to transformers' own loop with one warning that names the option.
 """
 
 from __future__ import annotations
