@@ -1,21 +1,23 @@
 """Hugging Face integration: speculative decoding on Qwen3-Next / Qwen3.5 through ``generate``.
 
-``apply_recoverssm(model)`` converts the model in place; ``generate(prompt_lookup_num_tokens=k)``
-and ``generate(assistant_model=draft)`` then run through a :class:`RecoverSSMCache` whose
-linear-attention layers roll back exactly (docs/design.md section 7). Needs the ``hf`` extra
-(transformers).
+``apply_recoverssm(model)`` converts the model in place; ``generate(prompt_lookup_num_tokens=k)``,
+``generate(assistant_model=draft)`` and ``generate(use_mtp=True)`` (the checkpoint's own MTP
+head, :mod:`ssm_spec.hf.mtp`) then roll the linear-attention layers back exactly
+(docs/design.md section 7). Needs the ``hf`` extra (transformers).
 """
 
 from .adapter import RecoverGDNAdapter
 from .apply import apply_recoverssm, cache_kwarg, is_converted
 from .cache import AcceptanceStats, RecoverLinearAttentionLayer, RecoverSSMCache
 from .config import RecoverSSMConfig, acceptance_stats, kept_cache, recoverssm_config
+from .mtp import MTPHead, load_mtp_head
 from .rollback import RollbackPool
 from .tiny import ByteTokenizer, tiny_config, tiny_model
 
 __all__ = [
     "AcceptanceStats",
     "ByteTokenizer",
+    "MTPHead",
     "RecoverGDNAdapter",
     "RecoverLinearAttentionLayer",
     "RecoverSSMCache",
@@ -26,6 +28,7 @@ __all__ = [
     "cache_kwarg",
     "is_converted",
     "kept_cache",
+    "load_mtp_head",
     "recoverssm_config",
     "tiny_config",
     "tiny_model",

@@ -62,7 +62,7 @@ def draft_length(generation_config, kwargs) -> int:
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
                      cuda_graphs: bool | None = None, mode: str | None = None, decode_loop: bool | None = None,
-                     compile: bool | None = None, tp_group=None) -> nn.Module:
+                     compile: bool | None = None, tp_group=None, mtp=None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -124,6 +124,16 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             MLPs, the LM head) is left as it is: replicated, or sharded by the model's own
             tensor parallelism. Every rank must run the same ``generate`` call. Do not
             ``save_pretrained`` a sharded model (its GDN weights are this rank's slices).
+        mtp: the checkpoint's multi-token-prediction head for ``generate(use_mtp=True,
+            num_assistant_tokens=k)`` (docs/design.md section 7.8): a path (a checkpoint
+            directory with ``model.safetensors`` or ``model.safetensors.index.json``, an index
+            file or a ``.safetensors`` file) to read the ``mtp.*`` tensors from now; ``True``:
+            read them now from the checkpoint the model was loaded from; ``False``: drop a
+            loaded head; ``None`` (the default) keeps the current one (without one,
+            ``generate(use_mtp=True)`` reads the model's own checkpoint on its first call). The
+            head is read and checked before anything else changes: on a ``ValueError`` the
+            model is as it was (not converted, if this was the first call; its earlier head
+            kept). See :func:`ssm_spec.hf.mtp.load_mtp_head`.
 
     Raises:
         ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
@@ -132,7 +142,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             ``meta`` device: there is nothing to slice), or on a model already converted. The
             converted ``generate`` raises it for prompt lookup or an assistant when
             ``model.device`` is ``meta`` (the embeddings offloaded: transformers' assisted loop
-            moves drafted tokens there).
+            moves drafted tokens there). ``mtp``: no MTP layer count in the config (or 0), no
+            checkpoint to read, no / missing / unexpected ``mtp.*`` tensors, shapes that do not
+            fit the model (:func:`~ssm_spec.hf.mtp.load_mtp_head`).
 
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
@@ -150,6 +162,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"apply_recoverssm: cuda_graphs: attention implementation {impl!r}; supported: "
                              f"{SUPPORTED_ATTENTION} (load the model with attn_implementation='sdpa')")
+    head = _load_head(model, mtp)  # before anything changes: a failed load leaves the model as it was
     if is_converted(model):
         if tp_group is not None:
             raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
@@ -157,6 +170,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if config != model._recoverssm.config:
             model._recoverssm.loop = model._recoverssm.loop_key = None  # built for the old settings
         model._recoverssm.config = config
+        if mtp is not None:
+            model._recoverssm.mtp = head
         if cuda_graphs is not None:
             capture_safe_experts(model, config.cuda_graphs)
             if not config.cuda_graphs:
@@ -174,7 +189,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
-    model._recoverssm = RecoverSSMRuntime(config, cache_kwarg(model))
+    model._recoverssm = RecoverSSMRuntime(config, cache_kwarg(model), mtp=head)
     capture_safe_experts(model, config.cuda_graphs)
     model._is_stateful = False  # transformers' guard up to 5.24: our cache rolls the recurrent state back
     _bind(model, "generate", _generate)
@@ -182,6 +197,33 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     for decoder in _decoders(model):
         _bind(decoder, "forward", _decoder_forward)
     return model
+
+
+def _load_head(model: nn.Module, mtp):
+    """The MTP head ``apply_recoverssm(mtp=...)`` asks for: ``None`` for ``None`` / ``False``."""
+    if mtp is None or mtp is False:
+        return None
+    from .mtp import load_mtp_head
+
+    try:
+        return load_mtp_head(model, None if mtp is True else mtp)
+    except ValueError as exc:
+        raise ValueError(f"apply_recoverssm: mtp: {exc}") from None
+
+
+def mtp_head(model: nn.Module):
+    """The converted model's MTP head, read from the checkpoint it was loaded from on first use
+    and kept (``model._recoverssm.mtp``).
+
+    Raises:
+        ValueError: as :func:`~ssm_spec.hf.mtp.load_mtp_head` (nothing is kept then).
+    """
+    runtime = model._recoverssm
+    if runtime.mtp is None:
+        from .mtp import load_mtp_head
+
+        runtime.mtp = load_mtp_head(model)
+    return runtime.mtp
 
 
 def _decoders(model: nn.Module) -> list[nn.Module]:
@@ -267,18 +309,28 @@ def _generate(self, *args, **kwargs):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
                          "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
                          "first")
+    use_mtp = bool(_setting(self, gen_config, named, "use_mtp", False))
+    if use_mtp:
+        _check_mtp_call(self, gen_config, named)
     if self._recoverssm.config.decode_loop:
         from .loop import ASSISTANT_CALL, LoopFallback, blocker, custom_generate_for
 
         reason = blocker(self, named, lambda name, default: _setting(self, gen_config, named, name, default))
         if reason is None and named.get("custom_generate") is not None:
             reason = "custom_generate="
+        if reason is not None and use_mtp:
+            raise ValueError(f"generate: use_mtp=True drafts inside ssm-spec's decode loop, and this call needs "
+                             f"transformers' loop ({reason}), which has no MTP drafter for Qwen3-Next / Qwen3.5")
         if reason is None:
-            call = {k: v for k, v in named.items() if k not in ("self", "kwargs", "assistant_model", "streamer")}
+            call = {k: v for k, v in named.items()
+                    if k not in ("self", "kwargs", "assistant_model", "streamer", "use_mtp")}
             try:
                 return original(self, **call,
-                                custom_generate=custom_generate_for(assistant, named.get("streamer")))
+                                custom_generate=custom_generate_for(assistant, named.get("streamer"), use_mtp))
             except LoopFallback as exc:
+                if use_mtp:
+                    raise ValueError(f"generate: use_mtp=True drafts inside ssm-spec's decode loop, and this call "
+                                     f"needs transformers' loop ({exc})") from None
                 reason = str(exc)
         if reason != ASSISTANT_CALL:
             warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
@@ -330,6 +382,30 @@ def _generate(self, *args, **kwargs):
     cache.begin_generate(None if prompt is None else prompt.shape[-1] - cache.get_seq_length())
     runtime.last_stats = cache.stats
     return original(self, *args, **kwargs)
+
+
+def _check_mtp_call(model, generation_config, named) -> None:
+    """A ``generate(use_mtp=True)`` call: one drafter, the decode loop on, and the MTP head loaded
+    (from the model's own checkpoint on first use).
+
+    Raises:
+        ValueError: ``assistant_model`` or ``prompt_lookup_num_tokens`` too;
+            ``decode_loop=False``; no head to load (:func:`mtp_head`).
+    """
+    other = [name for name in ("assistant_model", "prompt_lookup_num_tokens")
+             if (named.get(name) if name == "assistant_model" else _setting(model, generation_config, named, name,
+                                                                             None)) is not None]
+    if other:
+        raise ValueError(f"generate: use_mtp=True and {' and '.join(other)}: one drafter per call (the MTP head, "
+                         "an assistant or prompt lookup)")
+    if not model._recoverssm.config.decode_loop:
+        raise ValueError("generate: use_mtp=True drafts inside ssm-spec's decode loop, which "
+                         "apply_recoverssm(model, decode_loop=False) turned off (transformers' loop has no MTP drafter "
+                         "for Qwen3-Next / Qwen3.5)")
+    try:
+        mtp_head(model)
+    except ValueError as exc:
+        raise ValueError(f"generate: use_mtp=True: {exc}") from None
 
 
 def _prompt(named):

@@ -9,6 +9,7 @@ through :func:`recoverssm_config` and the kept cache's statistics through
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class RecoverSSMRuntime:
             (its cache's, or the decode loop's).
         loop / loop_key: the decode loop kept for the next call with the same key
             (:class:`~ssm_spec.hf.loop.DecodeLoop`), and that key.
+        mtp: the checkpoint's MTP head (:class:`~ssm_spec.hf.mtp.MTPHead`) once loaded
+            (``apply_recoverssm(model, mtp=...)``, or the first ``generate(use_mtp=True)``),
+            else ``None``. Runtime data, not a setting: it holds modules; the target's
+            embeddings and LM head are not in it (the drafter takes the model's).
     """
 
     config: RecoverSSMConfig
@@ -102,11 +107,22 @@ class RecoverSSMRuntime:
     last_stats: object = None
     loop: object = None
     loop_key: object = None
+    mtp: object = None
 
     def __deepcopy__(self, memo):
         """A copy of the model starts without kept caches or loops (they hold graphs and buffers
-        of the original)."""
-        return RecoverSSMRuntime(self.config, self.cache_kwarg, experts_implementation=self.experts_implementation)
+        of the original); it gets a copy of the MTP head."""
+        return RecoverSSMRuntime(self.config, self.cache_kwarg, experts_implementation=self.experts_implementation,
+                                 mtp=copy.deepcopy(self.mtp, memo))
+
+    def placed_mtp(self, device, dtype):
+        """The MTP head, moved (in place) to ``device`` and ``dtype`` when the model moved since
+        it was loaded."""
+        head = self.mtp
+        p = next(head.parameters())
+        if p.device != torch.device(device) or p.dtype != dtype:
+            head.to(device=device, dtype=dtype)
+        return head
 
 
 def is_converted(model) -> bool:

@@ -2,10 +2,10 @@
 
 transformers prepares the call as usual (generation config, special tokens, lengths, logits
 processors, stopping criteria) and hands it to :func:`loop_generate` through its
-``custom_generate`` hook; the loop then runs plain decoding, prompt lookup or an assistant's
-drafts for any batch size, every round on the device (:mod:`.runner`). A call the loop does not
-cover (:func:`blocker`, or a processor found at run time) goes to transformers' own loop with
-one warning that names the option.
+``custom_generate`` hook; the loop then runs plain decoding, prompt lookup, an assistant's
+drafts or the checkpoint's MTP head's (``use_mtp=True``) for any batch size, every round on the
+device (:mod:`.runner`). A call the loop does not cover (:func:`blocker`, or a processor found
+at run time) goes to transformers' own loop with one warning that names the option.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from .accept import Scoring, unsupported_processor
 from .assistant import AssistantDrafter
 from .lookup import PromptLookup
+from .mtp import MTPDrafter
 from .runner import DecodeLoop
 
 __all__ = ["ASSISTANT_CALL", "LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
-           "DecodeLoop", "PromptLookup", "AssistantDrafter", "Scoring"]
+           "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "mtp_tokens"]
 
 #: Buffers hold a multiple of this many token columns, so calls of similar lengths share graphs.
 CAPACITY_ROUND = 256
@@ -98,10 +99,17 @@ def blocker(model, named: dict, setting) -> str | None:
     return None
 
 
-def custom_generate_for(assistant, streamer):
-    """The callable ``generate(custom_generate=...)`` takes, with the call's assistant and
-    streamer bound (transformers passes a callable neither)."""
-    return functools.partial(loop_generate, ssm_assistant=assistant, ssm_streamer=streamer)
+def custom_generate_for(assistant, streamer, mtp: bool = False):
+    """The callable ``generate(custom_generate=...)`` takes, with the call's assistant,
+    streamer and ``use_mtp`` bound (transformers passes a callable none of them)."""
+    return functools.partial(loop_generate, ssm_assistant=assistant, ssm_streamer=streamer, ssm_mtp=mtp)
+
+
+def mtp_tokens(generation_config) -> int:
+    """``k`` of an MTP call: ``num_assistant_tokens``, by default as for assistants."""
+    from ..config import DEFAULT_NUM_ASSISTANT_TOKENS
+
+    return int(getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
 
 
 def _prompt_padding(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -146,10 +154,12 @@ def _eos(generation_config, device) -> torch.Tensor:
     return eos.reshape(-1).to(device=device, dtype=torch.int64)
 
 
-def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling):
+def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling, head=None):
     from ..config import recoverssm_config
     from ..config import DEFAULT_NUM_ASSISTANT_TOKENS, is_converted
 
+    if head is not None:
+        return MTPDrafter(model, head, mtp_tokens(generation_config), bucket, capacity, scoring, sampling)
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:
         return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)
@@ -162,16 +172,19 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
 
 
 def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-                  ssm_assistant=None, ssm_streamer=None, **model_kwargs):
+                  ssm_assistant=None, ssm_streamer=None, ssm_mtp=False, **model_kwargs):
     """``generate``'s decoding step on a converted model, as transformers' ``custom_generate``
     calls it after preparing the call. Returns ``sequences [B, P + new]`` (or
-    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``).
+    ``GenerateDecoderOnlyOutput`` with ``return_dict_in_generate``). ``ssm_mtp`` (or
+    ``generation_config.use_mtp``): draft with the MTP head the converted model holds
+    (``model._recoverssm.mtp``, loaded by the converted ``generate``), ``num_assistant_tokens``
+    a round.
 
     Raises:
         LoopFallback: the prepared call has a processor or stopping criterion the loop does
             not implement (raised before anything runs; the converted ``generate`` then runs
             transformers' loop).
-        ValueError: an empty prompt.
+        ValueError: an empty prompt; MTP drafts asked for and no head loaded.
     """
     from ..config import recoverssm_config
 
@@ -192,9 +205,16 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     config = recoverssm_config(model)
     runtime = model._recoverssm
     bucket = bucket_for(B)
+    head = None
+    if ssm_mtp or getattr(generation_config, "use_mtp", None):
+        if runtime.mtp is None:
+            raise ValueError("generate: use_mtp=True but the model holds no MTP head (apply_recoverssm(model, mtp=PATH) "
+                             "loads one; the converted generate loads the checkpoint's own)")
+        head = runtime.placed_mtp(device, model.get_input_embeddings().weight.dtype)
     k_max = max(int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0),
                 int(getattr(getattr(ssm_assistant, "generation_config", None), "num_assistant_tokens", None) or 0)
-                if ssm_assistant is not None else 0)
+                if ssm_assistant is not None else 0,
+                mtp_tokens(generation_config) if head is not None else 0)
     need = P + max_new + k_max + 2
     capacity = -(-need // CAPACITY_ROUND) * CAPACITY_ROUND
     scoring = Scoring(processors, eos)
@@ -204,11 +224,13 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 None if ssm_assistant is None else tuple(p.data_ptr() for p in ssm_assistant.parameters()),
                 getattr(generation_config, "prompt_lookup_num_tokens", None),
                 getattr(generation_config, "max_matching_ngram_size", None),
-                None if ssm_assistant is None else getattr(ssm_assistant.generation_config, "num_assistant_tokens", None))
+                None if ssm_assistant is None else getattr(ssm_assistant.generation_config, "num_assistant_tokens", None),
+                None if head is None else ("mtp", mtp_tokens(generation_config), id(head),
+                                           tuple(p.data_ptr() for p in head.parameters())))
     loop = runtime.loop
     if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
         runtime.loop = loop = None  # free the old buffers before the new ones
-        drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling)
+        drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling, head)
         loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
                           state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
         runtime.loop, runtime.loop_key = loop, key_base

@@ -13,10 +13,23 @@ import torch
 from ..config import cache_kwarg
 from .cache import LoopCache
 
-__all__ = ["LoopModel", "SUPPORTED_ATTENTION"]
+__all__ = ["LoopModel", "SUPPORTED_ATTENTION", "row_mask"]
 
 #: Attention implementations whose mask format the loop builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def row_mask(arange: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, sdpa: bool, dtype: torch.dtype):
+    """The attention mask of queries at ``columns [B, L]`` over ``arange [N]`` buffer columns:
+    row ``b``'s columns ``pad[b] .. q`` (and the query's own column, so a padding query's softmax
+    row is not empty). ``[B, 1, L, N]``: bool for sdpa, else additive in ``dtype``."""
+    c = arange[None, None, None, :]
+    q = columns[:, None, :, None]
+    allowed = ((c >= pad[:, None, None, None]) & (c <= q)) | (c == q)
+    if sdpa:
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return zero.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class LoopModel:
@@ -34,6 +47,7 @@ class LoopModel:
         self.model = model
         self.cache = LoopCache(model, batch_size, capacity, max_window, state_dtype=state_dtype, mode=mode)
         self.key = cache_kwarg(model)
+        self._base_key = cache_kwarg(model.base_model)
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.sdpa = impl == "sdpa"
         self.dtype = model.get_input_embeddings().weight.dtype
@@ -42,41 +56,45 @@ class LoopModel:
         self._verify_forward = torch.compile(self._forward, fullgraph=True) if compile else self._forward
 
     def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-        c = self._arange[None, None, None, :]
-        q = columns[:, None, :, None]
-        allowed = ((c >= pad[:, None, None, None]) & (c <= q)) | (c == q)
-        if self.sdpa:
-            return allowed
-        zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
-        return zero.masked_fill(~allowed, torch.finfo(self.dtype).min)
+        return row_mask(self._arange, columns, pad, self.sdpa, self.dtype)
 
-    def _forward(self, tokens: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, keep: int) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, keep: int,
+                 hidden: bool = False):
         mask = self._mask(columns, pad)
         if self.dict_mask:
             mask = {"full_attention": mask, "linear_attention": None}
-        out = type(self.model).forward(self.model, input_ids=tokens, position_ids=columns - pad[:, None],
-                                       attention_mask=mask, use_cache=True, logits_to_keep=keep, return_dict=True,
-                                       **{self.key: self.cache})
+        kwargs = dict(input_ids=tokens, position_ids=columns - pad[:, None], attention_mask=mask, use_cache=True,
+                      return_dict=True)
+        if hidden:  # the base model and the LM head, as the model's own forward runs them, keeping the hidden states
+            base = self.model.base_model
+            h = base(**kwargs, **{self._base_key: self.cache}).last_hidden_state
+            return self.model.get_output_embeddings()(h[:, -keep:] if keep else h), h
+        out = type(self.model).forward(self.model, logits_to_keep=keep, **kwargs, **{self.key: self.cache})
         return out.logits
 
-    def prefill(self, rows, width: int, lengths: list[int]) -> torch.Tensor | None:
+    def prefill(self, rows, width: int, lengths: list[int], hidden: bool = False):
         """Feed each row's first ``width`` columns from the zero state (``lengths[b]``: the row's
         real tokens among them, after its padding); returns the last column's logits
-        ``[B, 1, V]`` (``None`` when ``width`` is 0: nothing to feed)."""
+        ``[B, 1, V]`` (``None`` when ``width`` is 0: nothing to feed), and with ``hidden`` the
+        final-norm hidden states of every column, ``(logits, [B, width, H])``."""
         self.cache.reset_states()
         if width == 0:
-            return None
+            return (None, None) if hidden else None
         B = rows.batch_size
         columns = rows.columns[:width][None, :].expand(B, width)
         self.cache.prefill_step(lengths, columns)
-        return self._forward(rows.tokens[:, :width], columns, rows.pad, keep=1)
+        return self._forward(rows.tokens[:, :width], columns, rows.pad, keep=1, hidden=hidden)
 
-    def verify(self, tokens: torch.Tensor, columns: torch.Tensor, rows, active: torch.Tensor):
+    def verify(self, tokens: torch.Tensor, columns: torch.Tensor, rows, active: torch.Tensor, hidden: bool = False):
         """One verify forward of ``tokens [B, W]`` at ``columns [B, W]`` from each active row's
         state (read only); returns ``(logits [B, W, V], the step's metadata)`` for
-        :meth:`commit`."""
+        :meth:`commit`, and with ``hidden`` also the hidden states after the final norm
+        ``[B, W, H]`` (the MTP head's input): ``(logits, metadata, hidden)``."""
         md = self.cache.verify_metadata(active, tokens.shape[1])
         self.cache.verify_step(md, columns)
+        if hidden:
+            logits, h = self._verify_forward(tokens, columns, rows.pad, 0, True)
+            return logits, md, h
         return self._verify_forward(tokens, columns, rows.pad, keep=0), md
 
     def commit(self, metadata, num_accepted_tokens: torch.Tensor) -> None:

@@ -4,10 +4,11 @@ drafter, replayed several times between host reads (docs/design.md section 7.7).
 A round: the drafter's proposals (none for plain decoding), the target's verify forward of
 ``k + 1`` tokens per row from its kept state, the scores and acceptance, the tokens appended to
 each row (stopping at end-of-sequence tokens and budgets), the target's RecoverSSM commit of the
-kept window tokens, the assistant's commit, the acceptance counters. Nothing in it reads a value
-back on the host, so a round is one CUDA graph; the host replays a batch of rounds and then
-reads one flag (are all rows finished?) and the rows' counts. Off CUDA, or without
-``cuda_graphs``, the same round runs eagerly.
+kept window tokens, the drafter's own update (an assistant's commit; the MTP head's pass over
+the newly kept positions with the verify's hidden states), the acceptance counters. Nothing in
+it reads a value back on the host, so a round is one CUDA graph; the host replays a batch of
+rounds and then reads one flag (are all rows finished?) and the rows' counts. Off CUDA, or
+without ``cuda_graphs``, the same round runs eagerly.
 """
 
 from __future__ import annotations
@@ -40,7 +41,11 @@ class DecodeLoop:
         batch_size: the bucket's rows.
         capacity: token columns of the buffers.
         drafter: a drafter (:class:`~ssm_spec.hf.loop.lookup.PromptLookup`,
-            :class:`~ssm_spec.hf.loop.assistant.AssistantDrafter`, ...) or ``None``.
+            :class:`~ssm_spec.hf.loop.assistant.AssistantDrafter`,
+            :class:`~ssm_spec.hf.loop.mtp.MTPDrafter`, ...) or ``None``. One with
+            ``needs_hidden = True`` gets the target's hidden states after its final norm:
+            ``start(rows, width, lengths, hidden=[B, P, H])`` after the prefill and
+            ``accept(a, active, hidden=[B, k + 1, H])`` after each verify.
         scoring: the :class:`~ssm_spec.hf.loop.accept.Scoring` of the call.
         sampling: sample (``do_sample=True``) instead of greedy.
         eos: ``[E]`` int64 end-of-sequence ids.
@@ -55,6 +60,9 @@ class DecodeLoop:
                  compile: bool = False):
         self.drafter, self.scoring, self.sampling, self.eos = drafter, scoring, sampling, eos
         self.k = 0 if drafter is None else drafter.k
+        #: the drafter reads the target's hidden states (after its final norm): the prompt's in
+        #: ``start(..., hidden=)``, each verify window's in ``accept(..., hidden=)`` (the MTP head)
+        self.needs_hidden = bool(getattr(drafter, "needs_hidden", False))
         self.target = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode,
                                 compile=compile)
         device = self.target.cache.device
@@ -85,7 +93,10 @@ class DecodeLoop:
         drafts, num_drafts, probs = self.drafter.propose(rows)
         tokens = torch.cat([rows.last_token()[:, None], drafts], dim=1)
         columns = rows.window_columns(self.k + 1)
-        logits, md = target.verify(tokens, columns, rows, active)
+        if self.needs_hidden:
+            logits, md, hidden = target.verify(tokens, columns, rows, active, hidden=True)
+        else:
+            logits, md = target.verify(tokens, columns, rows, active)
         scores = self.scoring(logits, rows)
         if not self.sampling:
             emitted, a = accept_greedy(drafts, num_drafts, scores)
@@ -95,7 +106,9 @@ class DecodeLoop:
             emitted, a = accept_rejection(drafts, num_drafts, scores, probs)
         n = rows.append(emitted, a + 1, self.eos)
         target.commit(md, n)
-        if hasattr(self.drafter, "accept"):
+        if self.needs_hidden:
+            self.drafter.accept(a, active, hidden=hidden)
+        elif hasattr(self.drafter, "accept"):
             self.drafter.accept(a, active)
         self._count(active, num_drafts, a)
 
@@ -152,9 +165,14 @@ class DecodeLoop:
             t.zero_()
         rows.load(prompt, pad, max_new, min_new, min_length)
         lengths = (P - pad).tolist() + [0] * (rows.batch_size - b)
-        logits = self.target.prefill(rows, P, lengths)
+        if self.needs_hidden:
+            logits, hidden = self.target.prefill(rows, P, lengths, hidden=True)
+        else:
+            logits = self.target.prefill(rows, P, lengths)
         rows.append(self._choose(self.scoring(logits, rows)), torch.ones_like(rows.produced), self.eos)
-        if self.drafter is not None and hasattr(self.drafter, "start"):
+        if self.needs_hidden:
+            self.drafter.start(rows, P - 1, lengths, hidden=hidden)
+        elif self.drafter is not None and hasattr(self.drafter, "start"):
             self.drafter.start(rows, P - 1, lengths)
         sent = 0
         while True:
