@@ -15,7 +15,9 @@ from torch import nn
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
 from .config import DEFAULT_NUM_ASSISTANT_TOKENS, RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
+from .experts import capture_safe_experts
 from .graphed import SUPPORTED_ATTENTION
+from .mtp.calls import check_mtp_call, load_head_for_apply
 from .placement import carry_hook, placement_problem
 
 __all__ = ["apply_recoverssm", "is_converted", "draft_length", "cache_kwarg"]
@@ -162,7 +164,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if impl not in SUPPORTED_ATTENTION:
             raise ValueError(f"apply_recoverssm: cuda_graphs: attention implementation {impl!r}; supported: "
                              f"{SUPPORTED_ATTENTION} (load the model with attn_implementation='sdpa')")
-    head = _load_head(model, mtp)  # before anything changes: a failed load leaves the model as it was
+    head = load_head_for_apply(model, mtp)  # before anything changes: a failed load leaves the model as it was
     if is_converted(model):
         if tp_group is not None:
             raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
@@ -199,33 +201,6 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     return model
 
 
-def _load_head(model: nn.Module, mtp):
-    """The MTP head ``apply_recoverssm(mtp=...)`` asks for: ``None`` for ``None`` / ``False``."""
-    if mtp is None or mtp is False:
-        return None
-    from .mtp import load_mtp_head
-
-    try:
-        return load_mtp_head(model, None if mtp is True else mtp)
-    except ValueError as exc:
-        raise ValueError(f"apply_recoverssm: mtp: {exc}") from None
-
-
-def mtp_head(model: nn.Module):
-    """The converted model's MTP head, read from the checkpoint it was loaded from on first use
-    and kept (``model._recoverssm.mtp``).
-
-    Raises:
-        ValueError: as :func:`~ssm_spec.hf.mtp.load_mtp_head` (nothing is kept then).
-    """
-    runtime = model._recoverssm
-    if runtime.mtp is None:
-        from .mtp import load_mtp_head
-
-        runtime.mtp = load_mtp_head(model)
-    return runtime.mtp
-
-
 def _decoders(model: nn.Module) -> list[nn.Module]:
     """The text decoders of ``model`` (a ``Qwen3NextModel`` / ``Qwen3_5TextModel``: the modules
     whose ``layers`` hold converted GDN layers), outermost first."""
@@ -260,34 +235,6 @@ def _decoder_forward(self, *args, **kwargs):
         cache.end_forward()
 
 
-#: The expert implementation ``cuda_graphs=True`` selects: transformers' ``batched_mm`` gathers
-#: each token's top-k experts' weights by index and multiplies them in one batched product, so
-#: routing stays on the device with shapes fixed by the token count (no ``nonzero``, no host
-#: sync), where the default ``eager`` loops over the experts that received tokens and
-#: ``grouped_mm`` sizes its groups from the routing.
-CAPTURE_SAFE_EXPERTS = "batched_mm"
-
-
-def capture_safe_experts(model: nn.Module, on: bool) -> None:
-    """Switch a converted model's mixture-of-experts layers to :data:`CAPTURE_SAFE_EXPERTS` when
-    CUDA graphs are turned on, and back to the model's own setting when they are turned off.
-
-    Uses transformers' experts-implementation switch (``set_experts_implementation``, present
-    in 5.17 and later); models without expert layers, or a transformers without the switch,
-    are left as they are. The original setting is kept in the model's runtime state.
-    """
-    if not hasattr(model, "set_experts_implementation") or not any(
-            type(m).__name__.endswith("Experts") for m in model.modules()):
-        return
-    runtime = model._recoverssm
-    if on and runtime.experts_implementation is None:
-        runtime.experts_implementation = model.get_experts_implementation()
-        model.set_experts_implementation(CAPTURE_SAFE_EXPERTS)
-    elif not on and runtime.experts_implementation is not None:
-        model.set_experts_implementation(runtime.experts_implementation)
-        runtime.experts_implementation = None
-
-
 #: ``generate`` inputs of the vision-language classes (``Qwen3_5[Moe]ForConditionalGeneration``) that a
 #: converted model refuses: only text prompts are tested through its cache.
 MEDIA_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
@@ -311,7 +258,7 @@ def _generate(self, *args, **kwargs):
                          "first")
     use_mtp = bool(_setting(self, gen_config, named, "use_mtp", False))
     if use_mtp:
-        _check_mtp_call(self, gen_config, named)
+        check_mtp_call(self, named, lambda name, default: _setting(self, gen_config, named, name, default))
     if self._recoverssm.config.decode_loop:
         from .loop import ASSISTANT_CALL, LoopFallback, blocker, custom_generate_for
 
@@ -382,30 +329,6 @@ def _generate(self, *args, **kwargs):
     cache.begin_generate(None if prompt is None else prompt.shape[-1] - cache.get_seq_length())
     runtime.last_stats = cache.stats
     return original(self, *args, **kwargs)
-
-
-def _check_mtp_call(model, generation_config, named) -> None:
-    """A ``generate(use_mtp=True)`` call: one drafter, the decode loop on, and the MTP head loaded
-    (from the model's own checkpoint on first use).
-
-    Raises:
-        ValueError: ``assistant_model`` or ``prompt_lookup_num_tokens`` too;
-            ``decode_loop=False``; no head to load (:func:`mtp_head`).
-    """
-    other = [name for name in ("assistant_model", "prompt_lookup_num_tokens")
-             if (named.get(name) if name == "assistant_model" else _setting(model, generation_config, named, name,
-                                                                             None)) is not None]
-    if other:
-        raise ValueError(f"generate: use_mtp=True and {' and '.join(other)}: one drafter per call (the MTP head, "
-                         "an assistant or prompt lookup)")
-    if not model._recoverssm.config.decode_loop:
-        raise ValueError("generate: use_mtp=True drafts inside ssm-spec's decode loop, which "
-                         "apply_recoverssm(model, decode_loop=False) turned off (transformers' loop has no MTP drafter "
-                         "for Qwen3-Next / Qwen3.5)")
-    try:
-        mtp_head(model)
-    except ValueError as exc:
-        raise ValueError(f"generate: use_mtp=True: {exc}") from None
 
 
 def _prompt(named):

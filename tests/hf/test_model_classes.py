@@ -101,7 +101,7 @@ def test_cuda_graphs_switch_experts_to_batched_mm_and_back(kind):
     """``cuda_graphs=True`` runs the expert layers through transformers' ``batched_mm`` (routing
     on the device, shapes fixed by the token count: capture-safe); turning graphs off restores
     the model's own setting; tokens stay plain greedy's (the graphed path runs eagerly on CPU)."""
-    from ssm_spec.hf.apply import CAPTURE_SAFE_EXPERTS
+    from ssm_spec.hf.experts import CAPTURE_SAFE_EXPERTS
 
     model = tiny_model(kind, seed=1)
     own = model.get_experts_implementation()
@@ -149,7 +149,7 @@ def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
     forwards give the eager body's logits bit for bit."""
     import warnings
 
-    from ssm_spec.hf.apply import CAPTURE_SAFE_EXPERTS
+    from ssm_spec.hf.experts import CAPTURE_SAFE_EXPERTS
 
     device = torch.device("cuda")
     prompt = PROMPT.to(device)

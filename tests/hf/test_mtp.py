@@ -397,7 +397,7 @@ def test_sampling_with_the_mtp_head_is_distributed_as_plain_sampling(checkpoint)
     sampling against it; the joint law of the first three new tokens, computed exactly from the
     model, against 2,048 rows (chi-square, as tests/test_decode_loop.py checks the other
     drafters)."""
-    from tests.test_decode_loop import _chi_square_p, _exact_law
+    from tests.hf.test_decode_loop import _chi_square_p, _exact_law
 
     path, _ = checkpoint("qwen3_next", copy_token=True)
     model = apply_recoverssm(_load(path, "qwen3_next"))
