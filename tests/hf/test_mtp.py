@@ -148,11 +148,9 @@ def _load(path, kind, device="cpu"):
 
 
 def _batch(texts, device="cpu"):
-    enc = [TOK.encode(t) for t in texts]
-    P = max(map(len, enc))
-    ids = [[TOK.pad_token_id] * (P - len(e)) + e for e in enc]
-    mask = [[0] * (P - len(e)) + [1] * len(e) for e in enc]
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+    from tests.hf.test_decode_loop import _batch as left_padded
+
+    return left_padded(texts, device)
 
 
 def _own(ref, texts, n, device):
