@@ -65,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafts per round: prompt_lookup_num_tokens, or the assistant's "
                              "num_assistant_tokens (5)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
-                        help="the assistant's assistant_confidence_threshold: it stops drafting early when its "
-                             "top probability drops below P (default 0: always draft K tokens; transformers' "
-                             "own default is 0.4)")
+                        help="the assistant's assistant_confidence_threshold: where a call runs transformers' own loop "
+                             "it stops drafting early when the assistant's top probability drops below P; "
+                             "ssm-spec's decode loop always drafts K tokens (default 0; transformers' own default "
+                             "is 0.4)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="replay the model's forwards after the prompt as CUDA graphs "

@@ -307,3 +307,23 @@ def test_speculative_sampling_is_distributed_as_plain_sampling():
     for i in draws.tolist():
         counts[keys[i]] = counts.get(keys[i], 0) + 1
     assert _chi_square_p(counts, law, n) < 1e-3
+
+
+def test_the_loops_draft_length_where_num_assistant_tokens_is_left_at_its_default():
+    """transformers' default ``num_assistant_tokens`` (20, which its own loop shortens round by
+    round) drafts ``LOOP_NUM_ASSISTANT_TOKENS`` in the loop; a set value is kept; below 1 is refused."""
+    from types import SimpleNamespace
+
+    from ssm_spec.hf.loop import LOOP_NUM_ASSISTANT_TOKENS, draft_tokens
+
+    assert draft_tokens(SimpleNamespace(num_assistant_tokens=20)) == LOOP_NUM_ASSISTANT_TOKENS
+    assert draft_tokens(SimpleNamespace()) == LOOP_NUM_ASSISTANT_TOKENS
+    assert draft_tokens(SimpleNamespace(num_assistant_tokens=7)) == 7
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_assistant_tokens"):
+            draft_tokens(SimpleNamespace(num_assistant_tokens=bad))
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=1))
+    draft = apply_recoverssm(tiny_model("qwen3_next", seed=2))
+    ids, mask = _batch(TEXTS[:2], "cpu")
+    model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant_model=draft)
+    assert model._recoverssm.loop.k == LOOP_NUM_ASSISTANT_TOKENS

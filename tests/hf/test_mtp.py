@@ -393,7 +393,7 @@ def test_sampling_with_the_mtp_head_is_distributed_as_plain_sampling(checkpoint)
     """``do_sample=True`` with top-3 sampling and a token-copying head (drafts kept and refused):
     drafts drawn from the head's warped distribution and checked by speculative rejection
     sampling against it; the joint law of the first three new tokens, computed exactly from the
-    model, against 2,048 rows (chi-square, as tests/test_decode_loop.py checks the other
+    model, against 2,048 rows (chi-square, as tests/hf/test_decode_loop.py checks the other
     drafters)."""
     from tests.hf.test_decode_loop import _chi_square_p, _exact_law
 

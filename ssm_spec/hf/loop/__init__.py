@@ -22,7 +22,8 @@ from .mtp import MTPDrafter
 from .runner import DecodeLoop
 
 __all__ = ["ASSISTANT_CALL", "LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
-           "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "mtp_tokens"]
+           "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "mtp_tokens", "draft_tokens",
+           "LOOP_NUM_ASSISTANT_TOKENS"]
 
 #: Buffers hold a multiple of this many token columns, so calls of similar lengths share graphs.
 CAPACITY_ROUND = 256
@@ -105,11 +106,34 @@ def custom_generate_for(assistant, streamer, mtp: bool = False):
     return functools.partial(loop_generate, ssm_assistant=assistant, ssm_streamer=streamer, ssm_mtp=mtp)
 
 
-def mtp_tokens(generation_config) -> int:
-    """``k`` of an MTP call: ``num_assistant_tokens``, by default as for assistants."""
+#: The decode loop's draft length for an assistant or the MTP head when ``num_assistant_tokens``
+#: is left at transformers' default (20): transformers' loop shortens its drafts round by round
+#: (heuristic schedule, confidence threshold), the loop drafts a fixed ``k`` (fixed shapes), and
+#: 20 drafts a round cost a verify of 21 tokens and an assistant ``k (k + 3) / 2`` token forwards.
+LOOP_NUM_ASSISTANT_TOKENS = 4
+
+
+def draft_tokens(generation_config) -> int:
+    """``k`` of an assistant's or the MTP head's drafts in the decode loop: the config's
+    ``num_assistant_tokens``, or :data:`LOOP_NUM_ASSISTANT_TOKENS` where it is unset or
+    transformers' default.
+
+    Raises:
+        ValueError: ``num_assistant_tokens`` below 1.
+    """
     from ..config import DEFAULT_NUM_ASSISTANT_TOKENS
 
-    return int(getattr(generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+    value = getattr(generation_config, "num_assistant_tokens", None)
+    if value is None or value == DEFAULT_NUM_ASSISTANT_TOKENS:
+        return LOOP_NUM_ASSISTANT_TOKENS
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"generate: num_assistant_tokens={value!r}; expected an int >= 1")
+    return int(value)
+
+
+def mtp_tokens(generation_config) -> int:
+    """``k`` of an MTP call (:func:`draft_tokens` of the call's generation config)."""
+    return draft_tokens(generation_config)
 
 
 def _prompt_padding(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -156,7 +180,7 @@ def _eos(generation_config, device) -> torch.Tensor:
 
 def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling, head=None):
     from ..config import recoverssm_config
-    from ..config import DEFAULT_NUM_ASSISTANT_TOKENS, is_converted
+    from ..config import is_converted
 
     if head is not None:
         return MTPDrafter(model, head, mtp_tokens(generation_config), bucket, capacity, scoring, sampling)
@@ -165,7 +189,7 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
         return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)
     if assistant is None:
         return None
-    k = int(getattr(assistant.generation_config, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+    k = draft_tokens(assistant.generation_config)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
     kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
     return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
@@ -212,7 +236,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                              "loads one; the converted generate loads the checkpoint's own)")
         head = runtime.placed_mtp(device, model.get_input_embeddings().weight.dtype)
     k_max = max(int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0),
-                int(getattr(getattr(ssm_assistant, "generation_config", None), "num_assistant_tokens", None) or 0)
+                draft_tokens(ssm_assistant.generation_config)
                 if ssm_assistant is not None else 0,
                 mtp_tokens(generation_config) if head is not None else 0)
     need = P + max_new + k_max + 2
@@ -224,7 +248,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 None if ssm_assistant is None else tuple(p.data_ptr() for p in ssm_assistant.parameters()),
                 getattr(generation_config, "prompt_lookup_num_tokens", None),
                 getattr(generation_config, "max_matching_ngram_size", None),
-                None if ssm_assistant is None else getattr(ssm_assistant.generation_config, "num_assistant_tokens", None),
+                None if ssm_assistant is None else draft_tokens(ssm_assistant.generation_config),
                 None if head is None else ("mtp", mtp_tokens(generation_config), id(head),
                                            tuple(p.data_ptr() for p in head.parameters())))
     loop = runtime.loop
