@@ -50,7 +50,6 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
         ids = batch_prompt(tok, sentence, args.prompt_repeats, B, device)
         suffix = "" if B == 1 else f"@{B}"
         plain = timed_generate(model, ids, clock, phases, f"loop{suffix}", **common)
-        stats = acceptance_stats(model)  # None: plain decoding has no drafts
         lookup = timed_generate(model, ids, clock, phases, f"loop+lookup{suffix}",
                                 make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
         stats = acceptance_stats(model)

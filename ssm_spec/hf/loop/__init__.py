@@ -22,7 +22,7 @@ from .mtp import MTPDrafter
 from .runner import DecodeLoop
 
 __all__ = ["ASSISTANT_CALL", "LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
-           "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "mtp_tokens", "draft_tokens",
+           "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "draft_tokens",
            "LOOP_NUM_ASSISTANT_TOKENS"]
 
 #: Buffers hold a multiple of this many token columns, so calls of similar lengths share graphs.
@@ -131,11 +131,6 @@ def draft_tokens(generation_config) -> int:
     return int(value)
 
 
-def mtp_tokens(generation_config) -> int:
-    """``k`` of an MTP call (:func:`draft_tokens` of the call's generation config)."""
-    return draft_tokens(generation_config)
-
-
 def _prompt_padding(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
@@ -183,7 +178,7 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
     from ..config import is_converted
 
     if head is not None:
-        return MTPDrafter(model, head, mtp_tokens(generation_config), bucket, capacity, scoring, sampling)
+        return MTPDrafter(model, head, draft_tokens(generation_config), bucket, capacity, scoring, sampling)
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:
         return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)
@@ -238,7 +233,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     k_max = max(int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0),
                 draft_tokens(ssm_assistant.generation_config)
                 if ssm_assistant is not None else 0,
-                mtp_tokens(generation_config) if head is not None else 0)
+                draft_tokens(generation_config) if head is not None else 0)
     need = P + max_new + k_max + 2
     capacity = -(-need // CAPACITY_ROUND) * CAPACITY_ROUND
     scoring = Scoring(processors, eos)
@@ -249,7 +244,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 getattr(generation_config, "prompt_lookup_num_tokens", None),
                 getattr(generation_config, "max_matching_ngram_size", None),
                 None if ssm_assistant is None else draft_tokens(ssm_assistant.generation_config),
-                None if head is None else ("mtp", mtp_tokens(generation_config), id(head),
+                None if head is None else ("mtp", draft_tokens(generation_config), id(head),
                                            tuple(p.data_ptr() for p in head.parameters())))
     loop = runtime.loop
     if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
