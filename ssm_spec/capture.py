@@ -22,17 +22,18 @@ class CaptureError(RuntimeError):
     capture forbids, or allocated memory outside the graph pool while being captured."""
 
 
-def _where(exc: BaseException) -> str:
-    """`` (at file:line in function)``: the innermost frame of ``exc``'s traceback outside torch,
-    the call that synchronised or failed (empty when there is none)."""
+def _where(exc: BaseException, depth: int = 3) -> str:
+    """`` (at file:line in function: code <- its caller ...)``: the innermost ``depth`` frames of
+    ``exc``'s traceback outside torch, the call that synchronised or failed first (empty when
+    there is none)."""
     import traceback
 
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if "/torch/" not in f.filename.replace("\\", "/") and not f.filename.endswith("capture.py")]
     if not frames:
         return ""
-    f = frames[-1]
-    return f" (at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()[:120]})"
+    return " (at " + " <- ".join(f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()[:100]}"
+                                 for f in reversed(frames[-depth:])) + ")"
 
 
 @contextlib.contextmanager
