@@ -16,6 +16,8 @@ expected, raised before anything is written.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +110,26 @@ def check_tensor(
         fail(op, arg, f"device {t.device}", f"device {device} (the state's)")
 
 
+def check_dims(op: str, dim: str, sizes: dict[str, tuple[int, Sequence[int]]]) -> int:
+    """The size of dimension ``dim`` that every argument of ``sizes`` (``{argument: (its size
+    of ``dim``, its shape)}``) holds, so that an argument that disagrees is the one named.
+
+    Raises:
+        ValueError: the arguments disagree: naming the one whose size differs from a strict
+            majority's, or every argument where no size has one (two arguments, say).
+    """
+    values = [size for size, _ in sizes.values()]
+    if len(set(values)) <= 1:
+        return values[0]
+    common, count = Counter(values).most_common(1)[0]
+    if 2 * count > len(values):
+        arg, (size, shape) = next((a, e) for a, e in sizes.items() if e[0] != common)
+        holders = ", ".join(a for a, (n, _) in sizes.items() if n == common)
+        fail(op, arg, f"{dim} = {size} (shape {list(shape)})", f"{dim} = {common}, as in {holders}")
+    listing = ", ".join(f"{dim} = {size} in {arg} (shape {list(shape)})" for arg, (size, shape) in sizes.items())
+    raise ValueError(f"{op}: {', '.join(sizes)}: got {listing}; expected one {dim}")
+
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -147,6 +169,19 @@ def slot_values(op: str, arg: str, t: torch.Tensor, num_slots: int) -> list:
     return vals
 
 
+def log_decay_values(op: str, g: torch.Tensor, windows: list[tuple[int, int]], slots: list[int]) -> None:
+    """Check ``g <= 0`` (a log decay; NaN fails too) on every token of a live row's window
+    (``slots[b] >= 0``); tokens outside them are never read and may hold anything. Reads back
+    only the tokens that fail (one host sync)."""
+    bad = (~(g <= 0)).any(dim=-1).nonzero().flatten().tolist()
+    starts = [bos for bos, _ in windows]
+    for t in bad:
+        b = bisect_right(starts, t) - 1  # windows are contiguous, in row order
+        if b >= 0 and t < windows[b][1] and slots[b] >= 0:
+            h = int((~(g[t] <= 0)).nonzero()[0])
+            fail(op, f"g[{t}, {h}]", g[t, h].item(), "<= 0 (a log decay: the state decays by exp(g) <= 1)")
+
+
 def count_values(op: str, t: torch.Tensor, windows: list[tuple[int, int]]) -> list[int]:
     """Check ``0 <= num_accepted_tokens[b] <= window length`` and return the counts."""
     vals = t.tolist()
@@ -156,18 +191,21 @@ def count_values(op: str, t: torch.Tensor, windows: list[tuple[int, int]]) -> li
     return vals
 
 
-def check_write_conflicts(op: str, reads: dict[int, int], writes: list[tuple[int, int, str]]) -> None:
+def check_write_conflicts(op: str, reads: dict[int, int], writes: list[tuple[int, int, str]],
+                          note: str = "") -> None:
     """Reject two rows writing one slot and a row writing another row's source slot.
 
     Args:
         reads: ``{row: source slot}`` for rows that read a slot.
         writes: ``(row, slot, argument name)`` for every slot a row will write.
+        note: appended to the message (why the named argument is written).
     """
     owner: dict[int, tuple[int, str]] = {}
     for row, slot, arg in writes:
         prev = owner.get(slot)
         if prev is not None and prev[0] != row:
-            fail(op, arg, f"slot {slot}", f"a slot no other row writes (already written by row {prev[0]} via {prev[1]})")
+            fail(op, arg, f"slot {slot}",
+                 f"a slot no other row writes (already written by row {prev[0]} via {prev[1]}){note}")
         owner[slot] = (row, arg)
     readers = {}
     for row, slot in reads.items():
@@ -175,7 +213,7 @@ def check_write_conflicts(op: str, reads: dict[int, int], writes: list[tuple[int
     for row, slot, arg in writes:
         others = [r for r in readers.get(slot, ()) if r != row]
         if others:
-            fail(op, arg, f"slot {slot}", f"not the source slot of another row (row {others[0]} reads it)")
+            fail(op, arg, f"slot {slot}", f"not the source slot of another row (row {others[0]} reads it){note}")
 
 
 # ----------------------------------------------------------------------------- commits
@@ -196,6 +234,11 @@ def check_commit_metadata(op, device, query_start_loc, src_indices, num_accepted
     if boundary_offsets.shape != boundary_indices.shape:
         raise ValueError(f"{op}: boundary_offsets: got shape {list(boundary_offsets.shape)}; "
                          f"expected the shape of boundary_indices {list(boundary_indices.shape)}")
+
+
+def _offsets(windows: list[tuple[int, int]]):
+    """The ``query_start_loc`` values of ``windows`` (for a message)."""
+    return [bos for bos, _ in windows] + [windows[-1][1]] if windows else "no rows"
 
 
 def no_boundaries(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,11 +263,25 @@ def commit_defaults(op, src_indices, dst_indices, boundary_indices, boundary_off
 
 
 def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
-                        num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
-    """Value checks shared by the GDN and short-conv commits (host sync)."""
+                        num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets, *,
+                        dst_arg="dst_indices", made_with=None, record_arg="record"):
+    """Value checks shared by the GDN and short-conv commits (host sync).
+
+    ``dst_arg``: the argument that gave ``dst_indices`` (``src_indices`` where the caller left
+    ``dst_indices`` out). ``made_with``: the windows the record ``record_arg`` was made with,
+    where known (:mod:`ssm_spec.ops._layout`): a row that writes (a live source, a count
+    above 0) must have its window there (a commit that writes nothing is not refused).
+    """
     windows = window_bounds(op, query_start_loc, num_tokens)
     srcs = slot_values(op, "src_indices", src_indices, num_slots)
     counts = count_values(op, num_accepted_tokens, windows)
+    if made_with is not None:
+        for b, (window, src, n) in enumerate(zip(windows, srcs, counts)):
+            if src >= 0 and n > 0 and (b >= len(made_with) or made_with[b] != window):
+                there = f"[{made_with[b][0]}, {made_with[b][1]})" if b < len(made_with) else "no window"
+                fail(op, "query_start_loc", f"{_offsets(windows)} (row {b}: tokens [{window[0]}, {window[1]}))",
+                     f"{_offsets(made_with)}, the query_start_loc {record_arg} was made with (row {b}: {there}; a "
+                     "commit replays the tokens of its verify's windows: pass that verify's query_start_loc)")
     dsts = slot_values(op, "dst_indices", dst_indices, num_slots)
     bidx = slot_values(op, "boundary_indices", boundary_indices, num_slots)
     boff = boundary_offsets.tolist()
@@ -236,5 +293,6 @@ def check_commit_values(op, num_slots, num_tokens, query_start_loc, src_indices,
             if idx >= 0 and 1 <= off <= counts[b]:
                 writes.append((b, idx, f"boundary_indices[{b}, {j}]"))
         if dsts[b] >= 0:
-            writes.append((b, dsts[b], f"dst_indices[{b}]"))
-    check_write_conflicts(op, reads, writes)
+            writes.append((b, dsts[b], f"{dst_arg}[{b}]"))
+    note = "; with dst_indices left out each row writes its source slot" if dst_arg != "dst_indices" else ""
+    check_write_conflicts(op, reads, writes, note)

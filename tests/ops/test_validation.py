@@ -1,6 +1,8 @@
 """Malformed inputs raise a ValueError naming the argument and change no state; with
 validation off, out-of-range metadata is skipped or clamped, never dereferenced."""
 
+import re
+
 import pytest
 import torch
 
@@ -96,11 +98,12 @@ def test_gdn_commit_rejects_record_mismatch(gdn, device):
     inp, pool, qsl, src, rec = gdn
     before = pool.clone()
     n = i32([1, 1], device)
-    bad = [("rec_u", rec._replace(u=rec.u[..., :-1])), ("rec_k", rec._replace(k=rec.k.double())),
-           ("rec_decay", rec._replace(decay=rec.decay[:-1])),
-           ("rec_u", ops.ReplayRecord(*(x.unsqueeze(0) for x in rec)))]  # grouped record, 4-D state
+    # the wrapper's caller passed `record`: its fields are named record.u, record.k, record.decay
+    bad = [("record.u", rec._replace(u=rec.u[..., :-1])), ("record.k", rec._replace(k=rec.k.double())),
+           ("record.decay", rec._replace(decay=rec.decay[:-1])),
+           ("record.u", ops.ReplayRecord(*(x.unsqueeze(0) for x in rec)))]  # grouped record, 4-D state
     for arg, record in bad:
-        with pytest.raises(ValueError, match=arg):
+        with pytest.raises(ValueError, match=re.escape(arg)):
             ops.gdn_commit(pool, record, qsl, src, n)
     with pytest.raises(ValueError, match="boundary"):
         ops.gdn_commit(pool, rec, qsl, src, n, boundary_indices=i32([[1], [2]], device))

@@ -11,16 +11,19 @@ import triton
 import triton.language as tl
 
 from ... import reference
+from .. import _layout
 from .._launch import commit_metadata_strides, strides
 from .._library import define_op
 from .._validate import (
     STATE_DTYPES,
     check_commit_metadata,
     check_commit_values,
+    check_dims,
     check_no_grad,
     check_tensor,
     check_unaliased_pool,
     commit_defaults,
+    fail,
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
@@ -209,23 +212,40 @@ def _commit_rows_batched(rows, state, rec_u, rec_k, rec_decay, dsts, bidx, group
 
 
 def check_gdn_commit_structure(state, rec_u, rec_k, rec_decay, query_start_loc, src_indices,
-                               num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets):
-    """Ranks, shapes, dtypes and devices of ``gdn_commit``'s arguments (no host sync)."""
+                               num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets,
+                               rec="rec_"):
+    """Ranks, shapes, dtypes and devices of ``gdn_commit``'s arguments (no host sync).
+
+    Each size is taken from every argument that carries it and the one that disagrees is named
+    (:func:`~ssm_spec.ops._validate.check_dims`). ``rec``: the prefix of the record's names
+    (``rec_u``, ... for the op; ``record.`` for the wrapper, whose caller passed ``record``).
+    """
     op = "gdn_commit"
     check_tensor(op, "state", state, ndim=(4, 5), dtypes=STATE_DTYPES)
     dev = state.device
     grouped = state.dim() == 5
-    lead = (state.shape[0],) if grouped else ()
-    HV, K, V = state.shape[-3:]
-    check_tensor(op, "rec_u", rec_u, ndim=len(lead) + 3, dtypes=(torch.float32,), device=dev)
-    T = rec_u.shape[len(lead)]
-    check_tensor(op, "rec_u", rec_u, shape=(*lead, T, HV, V))
-    check_tensor(op, "rec_k", rec_k, ndim=len(lead) + 3, dtypes=(torch.float32,), device=dev)
+    lead = 1 if grouped else 0
+    context = ("the grouped state [NL, S, HV, K, V] takes the grouped record [NL, T, ...]" if grouped
+               else "the state [S, HV, K, V] takes the record [T, ...]")
+    names = dict(u=f"{rec}u", k=f"{rec}k", decay=f"{rec}decay")
+    for field, t, ndim in (("u", rec_u, 3), ("k", rec_k, 3), ("decay", rec_decay, 2)):
+        check_tensor(op, names[field], t, dtypes=(torch.float32,), device=dev)
+        if t.dim() != ndim + lead:
+            fail(op, names[field], f"a {t.dim()}-D tensor of shape {list(t.shape)}", f"{ndim + lead}-D ({context})")
+    shapes = {"state": state.shape, names["u"]: rec_u.shape, names["k"]: rec_k.shape, names["decay"]: rec_decay.shape}
+
+    def dims(name, *where):
+        return check_dims(op, name, {arg: (shapes[arg][i], shapes[arg]) for arg, i in where})
+
+    if grouped:
+        dims("NL", ("state", 0), (names["u"], 0), (names["k"], 0), (names["decay"], 0))
+    dims("T", (names["u"], lead), (names["k"], lead), (names["decay"], lead))
+    HV = dims("HV", ("state", lead + 1), (names["u"], lead + 1), (names["decay"], lead + 1))
+    dims("K", ("state", lead + 2), (names["k"], lead + 2))
+    dims("V", ("state", lead + 3), (names["u"], lead + 2))
     H = rec_k.shape[-2]
     if H == 0 or HV % H != 0:
-        raise ValueError(f"{op}: rec_k: got {H} key heads for {HV} value heads; expected HV % H == 0")
-    check_tensor(op, "rec_k", rec_k, shape=(*lead, T, H, K))
-    check_tensor(op, "rec_decay", rec_decay, shape=(*lead, T, HV), dtypes=(torch.float32,), device=dev)
+        raise ValueError(f"{op}: {names['k']}: got {H} key heads for {HV} value heads (state); expected HV % H == 0")
     check_commit_metadata(op, dev, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
                           boundary_indices, boundary_offsets)
 
@@ -273,14 +293,20 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
     A bfloat16 pool is replayed in fp32 and rounded once per store (docs/design.md section 2.5).
 
     Raises:
-        ValueError: naming the argument: bad shapes/dtypes/devices, a slot ``>= S``, a count
-            outside ``0..window length``, two rows writing one slot, or a row writing another
-            row's source slot (every live row's checkpoint counts, also one accepting nothing),
-            an expanded pool. Nothing is written. Also: inputs that require grad while grad mode is on,
-            ``validate=True`` while compiling or capturing.
+        ValueError: naming the argument: bad shapes/dtypes/devices (a record field as
+            ``record.u``; a state and record that disagree on a size name the one that differs
+            from the others, or both), a slot ``>= S``, a count outside ``0..window length``,
+            two rows writing one slot, or a row writing another row's source slot (every live
+            row's checkpoint counts, also one accepting nothing; with ``dst_indices`` left out
+            the written slots are ``src_indices``), an expanded pool, or (validation on) a
+            ``query_start_loc`` that gives a writing row another window than the record's verify
+            gave it (known for a record as a verify wrapper returned it, validation on). Nothing
+            is written. Also: inputs that require grad while grad mode is on, ``validate=True``
+            while compiling or capturing.
     """
     op = "gdn_commit"
     do_validate = should_validate(validate, op)
+    dst_arg = "dst_indices" if dst_indices is not None else "src_indices"
     dst_indices, boundary_indices, boundary_offsets = commit_defaults(
         op, src_indices, dst_indices, boundary_indices, boundary_offsets)
     if not (isinstance(record, tuple) and len(record) == 3):
@@ -289,10 +315,10 @@ def gdn_commit(state, record, query_start_loc, src_indices, num_accepted_tokens,
     args = (state, record[0], record[1], record[2], query_start_loc, src_indices,
             num_accepted_tokens, dst_indices, boundary_indices, boundary_offsets)
     if do_validate:
-        check_gdn_commit_structure(*args)
+        check_gdn_commit_structure(*args, rec="record.")
         check_no_grad(op, state=state)
         check_unaliased_pool(op, "state", state)
         check_commit_values("gdn_commit", state.shape[-4], record[0].shape[-3], query_start_loc,
                             src_indices, num_accepted_tokens, dst_indices, boundary_indices,
-                            boundary_offsets)
+                            boundary_offsets, dst_arg=dst_arg, made_with=_layout.made_with(record[0]))
     torch.ops.ssm_spec.gdn_commit(*args)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _layout
 from .._library import define_op
 from .._validate import (
     check_index,
@@ -24,6 +25,7 @@ from .._validate import (
     check_unaliased_pool,
     check_write_conflicts,
     fail,
+    log_decay_values,
     slot_values,
     window_bounds,
 )
@@ -34,15 +36,17 @@ OP = "gdn_folded_verify"
 
 
 def _check_fold_structure(state, rec_k, prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
-                          prev_num_accepted_tokens, batch):
+                          prev_num_accepted_tokens, batch, prev="prev_rec_"):
+    """The previous record's and counts' structure; ``prev``: the prefix of the previous
+    record's names (``prev_rec_u``, ... for the op; ``prev_record.`` for the wrapper)."""
     dev = state.device
     HV, K, V = state.shape[1:]
     H = rec_k.shape[1]
-    check_tensor(OP, "prev_rec_u", prev_rec_u, ndim=3, dtypes=(torch.float32,), device=dev)
+    check_tensor(OP, f"{prev}u", prev_rec_u, ndim=3, dtypes=(torch.float32,), device=dev)
     TP = prev_rec_u.shape[0]
-    check_tensor(OP, "prev_rec_u", prev_rec_u, shape=(TP, HV, V))
-    check_tensor(OP, "prev_rec_k", prev_rec_k, shape=(TP, H, K), dtypes=(torch.float32,), device=dev)
-    check_tensor(OP, "prev_rec_decay", prev_rec_decay, shape=(TP, HV), dtypes=(torch.float32,), device=dev)
+    check_tensor(OP, f"{prev}u", prev_rec_u, shape=(TP, HV, V))
+    check_tensor(OP, f"{prev}k", prev_rec_k, shape=(TP, H, K), dtypes=(torch.float32,), device=dev)
+    check_tensor(OP, f"{prev}decay", prev_rec_decay, shape=(TP, HV), dtypes=(torch.float32,), device=dev)
     check_index(OP, "prev_start", prev_start, batch, dev)
     check_index(OP, "prev_num_accepted_tokens", prev_num_accepted_tokens, batch, dev)
 
@@ -63,6 +67,7 @@ def gdn_folded_verify_op(
                                rec_u, rec_k, rec_decay)
     _check_fold_structure(state, rec_k, prev_rec_u, prev_rec_k, prev_rec_decay, prev_start,
                           prev_num_accepted_tokens, state_indices.shape[0])
+    _layout.forget(rec_u)
     kernel(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
            (rec_u, rec_k, rec_decay), scale, use_qk_l2norm,
            fold=(prev_rec_u, prev_rec_k, prev_rec_decay, prev_start, prev_num_accepted_tokens))
@@ -108,8 +113,11 @@ def gdn_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, p
     Raises:
         ValueError: naming the argument, before anything is written: what
             :func:`~ssm_spec.ops.gdn_verify` rejects, prev record shapes or dtypes that do
-            not fit, a previous window outside ``prev_record``, a negative count, two rows
-            writing one slot, overlapping records, an expanded pool.
+            not fit (named ``prev_record.u`` ...; ``record.u`` ... for ``record``), a previous
+            window outside ``prev_record``, a negative count, two rows writing one slot,
+            overlapping records, an expanded pool, a ``g > 0`` or NaN on a token of a live row.
+            With validation on, the record remembers ``query_start_loc``'s windows for
+            :func:`~ssm_spec.ops.gdn_commit`.
     """
     do_validate, scale, out = prepare_window_call(OP, q, k, v, g, beta, state, scale, use_qk_l2norm, validate)
     T, H, K = q.shape
@@ -120,15 +128,17 @@ def gdn_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, p
         fail(OP, "prev_record", type(prev_record).__name__, "the ReplayRecord (u, k, decay) of the previous verify")
     if do_validate:
         check_unaliased_pool(OP, "state", state)
-        check_gdn_window_structure(OP, q, k, v, g, beta, state, state_indices, query_start_loc, out, *record)
+        check_gdn_window_structure(OP, q, k, v, g, beta, state, state_indices, query_start_loc, out, *record,
+                                   rec="record.")
         _check_fold_structure(state, record[1], *prev_record, prev_start, prev_num_accepted_tokens,
-                              state_indices.shape[0])
+                              state_indices.shape[0], prev="prev_record.")
         for name, a, b in zip(("u", "k", "decay"), record, prev_record):
             if _overlaps(a, b):
                 fail(OP, f"prev_record.{name}", "memory overlapping this step's record",
                      "a separate buffer (double-buffer the records across steps)")
-        window_bounds(OP, query_start_loc, T)
+        windows = window_bounds(OP, query_start_loc, T)
         slots = slot_values(OP, "state_indices", state_indices, state.shape[0])
+        log_decay_values(OP, g, windows, slots)
         TP = prev_record[0].shape[0]
         for b, (p0, pn) in enumerate(zip(prev_start.tolist(), prev_num_accepted_tokens.tolist())):
             if pn < 0 or (pn > 0 and not 0 <= p0 <= TP - pn):
@@ -139,4 +149,6 @@ def gdn_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, p
     torch.ops.ssm_spec.gdn_folded_verify(q, k, v, g, beta, state, state_indices, query_start_loc, out,
                                          record[0], record[1], record[2], *prev_record, prev_start,
                                          prev_num_accepted_tokens, scale, use_qk_l2norm)
+    if do_validate:  # gdn_commit refuses the record with other windows
+        _layout.remember(record[0], windows)
     return out, record

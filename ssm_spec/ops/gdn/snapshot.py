@@ -15,6 +15,7 @@ from .._validate import (
     check_index,
     check_unaliased_pool,
     check_write_conflicts,
+    log_decay_values,
     slot_values,
     window_bounds,
 )
@@ -24,7 +25,8 @@ from .window import check_gdn_window_structure, gdn_window_cpu, launch_gdn_windo
 def _check_snapshot_structure(q, k, v, g, beta, state, src_indices, query_start_loc,
                               snapshot_indices, out):
     op = "gdn_snapshot_verify"
-    check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out)
+    check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
+                               indices="src_indices")
     check_index(op, "snapshot_indices", snapshot_indices, None, state.device)
     if snapshot_indices.shape[0] < q.shape[0]:
         raise ValueError(f"{op}: snapshot_indices: got {snapshot_indices.shape[0]} entries; "
@@ -65,7 +67,8 @@ def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, s
     Raises:
         ValueError: naming the argument, before anything is written: bad shapes, dtypes or
             devices, a slot ``>= S``, a malformed ``query_start_loc``, a snapshot slot written
-            twice or that is a live row's source, an expanded pool. Also: inputs that require grad while grad mode is on,
+            twice or that is a live row's source, an expanded pool, a ``g > 0`` or NaN on a
+            token of a live row. Also: inputs that require grad while grad mode is on,
             ``validate=True`` while compiling or capturing.
     """
     op = "gdn_snapshot_verify"
@@ -79,6 +82,7 @@ def gdn_snapshot_verify(q, k, v, g, beta, state, src_indices, query_start_loc, s
         S = state.shape[0]
         srcs = slot_values(op, "src_indices", src_indices, S)
         snaps = slot_values(op, "snapshot_indices", snapshot_indices, S)
+        log_decay_values(op, g, windows, srcs)
         reads = {b: s for b, s in enumerate(srcs) if s >= 0}  # every live checkpoint
         writes = [(b, snaps[t], f"snapshot_indices[{t}]") for b, (bos, eos) in enumerate(windows)
                   if b in reads for t in range(bos, eos) if snaps[t] >= 0]

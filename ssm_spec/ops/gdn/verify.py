@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import _layout
 from .._library import define_op
-from .._validate import slot_values, window_bounds
+from .._validate import log_decay_values, slot_values, window_bounds
 from .record import ReplayRecord
 from .window import check_gdn_window_structure, gdn_window_cpu, launch_gdn_window, prepare_window_call
 from .window import gdn_window_kernel  # noqa: F401  (scripts import it from here)
@@ -30,6 +31,7 @@ def gdn_verify_op(
     the CUDA launcher of the window kernel."""
     check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                query_start_loc, out, rec_u, rec_k, rec_decay)
+    _layout.forget(rec_u)
     kernel(q, k, v, g, beta, state, state_indices, query_start_loc, None, out,
            (rec_u, rec_k, rec_decay), scale, use_qk_l2norm)
 
@@ -58,10 +60,15 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
         ``(out, record)``: ``out [T, HV, V]`` in ``v``'s dtype and a :class:`ReplayRecord`.
         Tokens outside every window and tokens of padding rows are left uninitialised.
 
+    With validation on, the record remembers ``query_start_loc``'s values, and
+    :func:`~ssm_spec.ops.gdn_commit` refuses it with other windows.
+
     Raises:
-        ValueError: naming the argument, for bad shapes, dtypes, devices, a slot ``>= S``,
-            or a malformed ``query_start_loc``; nothing is written. Also: inputs that require grad while grad mode is on,
-            ``validate=True`` while compiling or capturing.
+        ValueError: naming the argument, for bad shapes, dtypes, devices (a size two arguments
+            disagree on names the one that differs from the others: ``state`` for a pool of
+            another layer), a slot ``>= S``, a malformed ``query_start_loc``, or (validation on)
+            a ``g > 0`` or NaN on a token of a live row; nothing is written. Also: inputs that
+            require grad while grad mode is on, ``validate=True`` while compiling or capturing.
     """
     do_validate, scale, out = prepare_window_call("gdn_verify", q, k, v, g, beta, state, scale,
                                                   use_qk_l2norm, validate)
@@ -70,8 +77,11 @@ def gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc, scale=No
     if do_validate:
         check_gdn_window_structure("gdn_verify", q, k, v, g, beta, state, state_indices,
                                    query_start_loc, out, *record)
-        window_bounds("gdn_verify", query_start_loc, T)
-        slot_values("gdn_verify", "state_indices", state_indices, state.shape[0])
+        windows = window_bounds("gdn_verify", query_start_loc, T)
+        slots = slot_values("gdn_verify", "state_indices", state_indices, state.shape[0])
+        log_decay_values("gdn_verify", g, windows, slots)
     torch.ops.ssm_spec.gdn_verify(q, k, v, g, beta, state, state_indices, query_start_loc,
                                   out, record.u, record.k, record.decay, scale, use_qk_l2norm)
+    if do_validate:
+        _layout.remember(record.u, windows)
     return out, record

@@ -17,6 +17,7 @@ from .._launch import strides
 from .._validate import (
     FLOAT_DTYPES,
     STATE_DTYPES,
+    check_dims,
     check_index,
     check_no_grad,
     check_scalars,
@@ -327,31 +328,45 @@ def prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, valid
 
 
 def check_gdn_window_structure(op, q, k, v, g, beta, state, src_indices, query_start_loc, out,
-                               rec_u=None, rec_k=None, rec_decay=None):
-    """Ranks, shapes, dtypes, devices of the window ops' arguments (no host sync)."""
+                               rec_u=None, rec_k=None, rec_decay=None, *, indices="state_indices",
+                               rec="rec_"):
+    """Ranks, shapes, dtypes, devices of the window ops' arguments (no host sync).
+
+    Each size is taken from every argument that carries it, and the one that disagrees with
+    the others is named (a state of another layer is named ``state``, not ``q``).
+    ``indices``: the name of the slot argument; ``rec``: the prefix of the record's names
+    (``rec_u``, ... for the op; ``record.`` for a wrapper given ``record``).
+    """
     check_tensor(op, "state", state, ndim=4, dtypes=STATE_DTYPES)
     dev = state.device
-    S, HV, K, V = state.shape
-    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
-    T, H = q.shape[0], q.shape[1]
-    if min(HV, K, V) == 0:
+    if min(state.shape[1:]) == 0:
         raise ValueError(f"{op}: state: got shape {list(state.shape)}; expected HV, K, V >= 1")
+    check_tensor(op, "q", q, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "k", k, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "v", v, ndim=3, dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(op, "g", g, ndim=2, dtypes=(torch.float32,), device=dev)
+    check_tensor(op, "beta", beta, ndim=2, dtypes=FLOAT_DTYPES, device=dev)
+    shapes = dict(q=q.shape, k=k.shape, v=v.shape, g=g.shape, beta=beta.shape, state=state.shape)
+
+    def dims(name, *where):
+        return check_dims(op, name, {arg: (shapes[arg][i], shapes[arg]) for arg, i in where})
+
+    T = dims("T", ("q", 0), ("k", 0), ("v", 0), ("g", 0), ("beta", 0))
+    H = dims("H", ("q", 1), ("k", 1))
+    K = dims("K", ("q", 2), ("k", 2), ("state", 2))
+    HV = dims("HV", ("v", 1), ("g", 1), ("beta", 1), ("state", 1))
+    V = dims("V", ("v", 2), ("state", 3))
     if H == 0 or HV % H != 0:
-        raise ValueError(f"{op}: q: got {H} key heads for {HV} value heads; expected HV % H == 0")
-    check_tensor(op, "q", q, shape=(T, H, K))
-    check_tensor(op, "k", k, shape=(T, H, K), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor(op, "v", v, shape=(T, HV, V), dtypes=FLOAT_DTYPES, device=dev)
-    check_tensor(op, "g", g, shape=(T, HV), dtypes=(torch.float32,), device=dev)
-    check_tensor(op, "beta", beta, shape=(T, HV), dtypes=FLOAT_DTYPES, device=dev)
+        raise ValueError(f"{op}: q: got {H} key heads for {HV} value heads (v, state); expected HV % H == 0")
     check_index(op, "query_start_loc", query_start_loc, None, dev)
     B = query_start_loc.shape[0] - 1
     if B < 0:
         raise ValueError(f"{op}: query_start_loc: got an empty tensor; expected [B + 1] entries")
-    check_index(op, "state_indices" if rec_u is not None else "src_indices", src_indices, B, dev)
+    check_index(op, indices, src_indices, B, dev)
     check_tensor(op, "out", out, shape=(None, HV, V), dtypes=(v.dtype,), device=dev)
     if out.shape[0] < T:
         raise ValueError(f"{op}: out: got {out.shape[0]} token rows; expected at least {T}")
     if rec_u is not None:
-        check_tensor(op, "rec_u", rec_u, shape=(out.shape[0], HV, V), dtypes=(torch.float32,), device=dev)
-        check_tensor(op, "rec_k", rec_k, shape=(out.shape[0], H, K), dtypes=(torch.float32,), device=dev)
-        check_tensor(op, "rec_decay", rec_decay, shape=(out.shape[0], HV), dtypes=(torch.float32,), device=dev)
+        check_tensor(op, f"{rec}u", rec_u, shape=(out.shape[0], HV, V), dtypes=(torch.float32,), device=dev)
+        check_tensor(op, f"{rec}k", rec_k, shape=(out.shape[0], H, K), dtypes=(torch.float32,), device=dev)
+        check_tensor(op, f"{rec}decay", rec_decay, shape=(out.shape[0], HV), dtypes=(torch.float32,), device=dev)

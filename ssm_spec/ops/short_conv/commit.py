@@ -11,16 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _layout
 from .._launch import commit_metadata_strides, strides
 from .._library import define_op
 from .._validate import (
     FLOAT_DTYPES,
     check_commit_metadata,
     check_commit_values,
+    check_dims,
     check_no_grad,
     check_tensor,
     check_unaliased_pool,
     commit_defaults,
+    fail,
     should_validate,
 )
 from .._window import clamped_count, clamped_window, load_count, load_window
@@ -158,10 +161,15 @@ def check_short_conv_commit_structure(conv_state, rec_x, query_start_loc, src_in
     op = "short_conv_commit"
     check_tensor(op, "conv_state", conv_state, ndim=(3, 4), dtypes=FLOAT_DTYPES)
     dev = conv_state.device
-    lead = conv_state.shape[:-3]
-    C = conv_state.shape[-1]
-    check_tensor(op, "rec_x", rec_x, ndim=conv_state.dim() - 1, dtypes=(torch.float32,), device=dev)
-    check_tensor(op, "rec_x", rec_x, shape=(*lead, None, C))
+    check_tensor(op, "rec_x", rec_x, dtypes=(torch.float32,), device=dev)
+    if rec_x.dim() != conv_state.dim() - 1:
+        context = ("the grouped conv_state [NL, S, Lc, C] takes the grouped rec_x [NL, T, C]" if conv_state.dim() == 4
+                   else "the conv_state [S, Lc, C] takes rec_x [T, C]")
+        fail(op, "rec_x", f"a {rec_x.dim()}-D tensor of shape {list(rec_x.shape)}",
+             f"{conv_state.dim() - 1}-D ({context})")
+    if conv_state.dim() == 4:
+        check_dims(op, "NL", {"conv_state": (conv_state.shape[0], conv_state.shape), "rec_x": (rec_x.shape[0], rec_x.shape)})
+    check_dims(op, "C", {"conv_state": (conv_state.shape[-1], conv_state.shape), "rec_x": (rec_x.shape[-1], rec_x.shape)})
     check_commit_metadata(op, dev, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
                           boundary_indices, boundary_offsets)
 
@@ -203,12 +211,14 @@ def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accep
 
     Raises:
         ValueError: naming the argument, before anything is written: as
-            :func:`ssm_spec.ops.gdn_commit` (slots, counts, write conflicts, an expanded pool;
+            :func:`ssm_spec.ops.gdn_commit` (slots, counts, write conflicts, an expanded pool, a
+            ``query_start_loc`` other than the one ``rec_x``'s ``short_conv_verify`` was given;
             conv_state float32/bfloat16/float16, rec_x float32). Also: inputs that require grad while grad mode is on,
             ``validate=True`` while compiling or capturing.
     """
     op = "short_conv_commit"
     do_validate = should_validate(validate, op)
+    dst_arg = "dst_indices" if dst_indices is not None else "src_indices"
     dst_indices, boundary_indices, boundary_offsets = commit_defaults(
         op, src_indices, dst_indices, boundary_indices, boundary_offsets)
     args = (conv_state, rec_x, query_start_loc, src_indices, num_accepted_tokens, dst_indices,
@@ -219,5 +229,6 @@ def short_conv_commit(conv_state, rec_x, query_start_loc, src_indices, num_accep
         check_unaliased_pool(op, "conv_state", conv_state)
         check_commit_values("short_conv_commit", conv_state.shape[-3], rec_x.shape[-2],
                             query_start_loc, src_indices, num_accepted_tokens, dst_indices,
-                            boundary_indices, boundary_offsets)
+                            boundary_indices, boundary_offsets, dst_arg=dst_arg,
+                            made_with=_layout.made_with(rec_x), record_arg="rec_x")
     torch.ops.ssm_spec.short_conv_commit(*args)

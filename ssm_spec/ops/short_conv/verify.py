@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ... import reference
+from .. import _layout
 from .._launch import strides
 from .._library import define_op
 from .._validate import (
@@ -178,6 +179,7 @@ def short_conv_verify_op(
     args = (x, weight, bias, conv_state, state_indices, query_start_loc, out, rec_x, dilation,
             activation)
     check_short_conv_verify_structure(*args)
+    _layout.forget(rec_x)
     kernel(*args)
 
 
@@ -203,7 +205,8 @@ def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_lo
 
     Returns:
         ``(out [T, C] in x's dtype, rec_x [T, C] float32)``: the outputs and the recorded window
-        inputs for :func:`ssm_spec.ops.short_conv_commit`.
+        inputs for :func:`ssm_spec.ops.short_conv_commit` (with validation on, ``rec_x``
+        remembers ``query_start_loc``'s windows, and the commit refuses it with others).
 
     Raises:
         ValueError: naming the argument, before anything is written: bad shapes, dtypes
@@ -225,7 +228,9 @@ def short_conv_verify(x, weight, bias, conv_state, state_indices, query_start_lo
             activation)
     if do_validate:
         check_short_conv_verify_structure(*args)
-        window_bounds("short_conv_verify", query_start_loc, T)
+        windows = window_bounds("short_conv_verify", query_start_loc, T)
         slot_values("short_conv_verify", "state_indices", state_indices, conv_state.shape[0])
     torch.ops.ssm_spec.short_conv_verify(*args)
+    if do_validate:  # short_conv_commit refuses rec_x with other windows
+        _layout.remember(rec_x, windows)
     return out, rec_x

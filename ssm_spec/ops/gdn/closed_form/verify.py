@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import _layout
 from ..._library import define_op
 from ..._validate import (
     check_index,
@@ -13,6 +14,7 @@ from ..._validate import (
     check_unaliased_pool,
     check_write_conflicts,
     fail,
+    log_decay_values,
     slot_values,
     window_bounds,
 )
@@ -30,22 +32,24 @@ def _check_max_window(op, max_window):
 
 
 def _check_ring_structure(op, state, q, ring_u, ring_k, ring_g, pending_start, pending_count, max_window,
-                          max_pending, batch):
+                          max_pending, batch, ring="ring_"):
+    """The ring's and pending counts' structure; ``ring``: the prefix of the ring's names (``ring_u``,
+    ... for the op; ``ring.`` for the wrapper, whose caller passed ``ring``)."""
     dev = state.device
     S, HV, K, V = state.shape
     H = q.shape[1]
-    check_tensor(op, "ring_u", ring_u, ndim=4, dtypes=(torch.float32,), device=dev)
+    check_tensor(op, f"{ring}u", ring_u, ndim=4, dtypes=(torch.float32,), device=dev)
     R = ring_u.shape[1]
-    check_tensor(op, "ring_u", ring_u, shape=(S, R, HV, V))
-    check_tensor(op, "ring_k", ring_k, shape=(S, R, H, K), dtypes=(torch.float32,), device=dev)
-    check_tensor(op, "ring_g", ring_g, shape=(S, R, HV), dtypes=(torch.float32,), device=dev)
+    check_tensor(op, f"{ring}u", ring_u, shape=(S, R, HV, V))
+    check_tensor(op, f"{ring}k", ring_k, shape=(S, R, H, K), dtypes=(torch.float32,), device=dev)
+    check_tensor(op, f"{ring}g", ring_g, shape=(S, R, HV), dtypes=(torch.float32,), device=dev)
     check_index(op, "pending_start", pending_start, batch, dev)
     check_index(op, "pending_count", pending_count, batch, dev)
     if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 0:
         fail(op, "max_pending", repr(max_pending), "an int >= 0")
     need = ring_positions(max_pending, max_window)
     if R < need:
-        fail(op, "ring_u", f"{R} ring positions", f">= max(max_pending, max_window) + max_window = {need}")
+        fail(op, f"{ring}u", f"{R} ring positions", f">= max(max_pending, max_window) + max_window = {need}")
 
 
 
@@ -65,6 +69,7 @@ def gdn_closed_form_verify_op(
     _check_max_window("gdn_closed_form_verify", max_window)
     check_gdn_window_structure("gdn_closed_form_verify", q, k, v, g, beta, state, state_indices,
                                query_start_loc, out, rec_u, rec_k, rec_decay)
+    _layout.forget(rec_u)
     kernel(q, k, v, g, beta, state, state_indices, query_start_loc, out, (rec_u, rec_k, rec_decay), max_window,
            scale, use_qk_l2norm)
 
@@ -117,8 +122,9 @@ def gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_l
     fast mode's error bound of the token loop (docs/design.md section 2.6), not bit-identical.
 
     Raises:
-        ValueError: what ``gdn_verify`` rejects; a window longer than ``max_window``; no
-            ``max_window`` while compiling or capturing.
+        ValueError: what ``gdn_verify`` rejects (a ``g > 0`` too); a window longer than
+            ``max_window``; no ``max_window`` while compiling or capturing. As ``gdn_verify``'s,
+            the record remembers its windows with validation on.
     """
     op = "gdn_closed_form_verify"
     do_validate, scale, out = prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, validate)
@@ -127,10 +133,13 @@ def gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_l
     if do_validate:
         check_gdn_window_structure(op, q, k, v, g, beta, state, state_indices, query_start_loc, out, *record)
         windows = window_bounds(op, query_start_loc, q.shape[0])
-        slot_values(op, "state_indices", state_indices, state.shape[0])
+        slots = slot_values(op, "state_indices", state_indices, state.shape[0])
+        log_decay_values(op, g, windows, slots)
     max_window = _resolve_max_window(op, max_window, windows)
     torch.ops.ssm_spec.gdn_closed_form_verify(q, k, v, g, beta, state, state_indices, query_start_loc, out,
                                               record.u, record.k, record.decay, max_window, scale, use_qk_l2norm)
+    if do_validate:  # gdn_commit refuses the record with other windows
+        _layout.remember(record.u, windows)
     return out, record
 
 
@@ -157,8 +166,9 @@ def gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_
 
     Raises:
         ValueError: what ``gdn_verify`` rejects, plus ring shapes, dtypes or a ring shorter
-            than :func:`ring_positions`, a count outside ``0..R - max_window``, two rows writing one
-            slot, an expanded pool, a window longer than ``max_window``. Nothing is written.
+            than :func:`ring_positions` (named ``ring.u``, ``ring.k``, ``ring.g``), a count outside
+            ``0..R - max_window``, two rows writing one slot, an expanded pool, a window longer than
+            ``max_window``, a ``g > 0`` or NaN on a token of a live row. Nothing is written.
     """
     op = FOLDED_OP
     do_validate, scale, out = prepare_window_call(op, q, k, v, g, beta, state, scale, use_qk_l2norm, validate)
@@ -172,8 +182,9 @@ def gdn_closed_form_folded_verify(q, k, v, g, beta, state, state_indices, query_
     max_window = _resolve_max_window(op, max_window, windows)
     if do_validate:
         _check_ring_structure(op, state, q, *ring, pending_start, pending_count, max_window, max_pending,
-                              state_indices.shape[0])
+                              state_indices.shape[0], ring="ring.")
         slots = slot_values(op, "state_indices", state_indices, state.shape[0])
+        log_decay_values(op, g, windows, slots)
         R = ring[0].shape[1]
         for b, (p0, pn) in enumerate(zip(pending_start.tolist(), pending_count.tolist())):
             if not (0 <= pn <= R - max_window and 0 <= p0 < R):
