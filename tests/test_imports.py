@@ -158,3 +158,23 @@ def test_wheel_installs_only_ssm_spec(tmp_path):
     assert "ssm_spec/graphs/__init__.py" in expected
     assert sorted(expected - names) == [], "source files missing from the wheel"
     assert {n for n in names if n.endswith(".py")} == expected, "files in the wheel with no source"
+
+
+def test_the_first_op_call_imports_nothing():
+    """Every module the ops need is imported with them: the first ``ops.gdn_verify`` (a custom
+    op's kernels run under torch's dynamo guard, which imported ``torch._dynamo`` on first use:
+    1-1.5 s on an idle 2-core CPU, more on a busy one) and commit import no module."""
+    code = ("import sys\n"
+            "import torch\n"
+            "from ssm_spec import ops\n"
+            "q, k = torch.randn(6, 2, 8), torch.randn(6, 2, 8)\n"
+            "v, g, beta = torch.randn(6, 4, 6), -torch.rand(6, 4), torch.rand(6, 4)\n"
+            "pool = torch.randn(3, 4, 8, 6)\n"
+            "src, qsl = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 3, 6], dtype=torch.int32)\n"
+            "before = set(sys.modules)\n"
+            "_, rec = ops.gdn_verify(q, k, v, g, beta, pool, src, qsl)\n"
+            "ops.gdn_commit(pool, rec, qsl, src, torch.tensor([1, 2], dtype=torch.int32))\n"
+            "new = sorted(set(sys.modules) - before)\n"
+            "assert not new, new[:10]\n")
+    proc = _fresh(code, ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]

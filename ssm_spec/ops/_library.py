@@ -15,8 +15,14 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 
 from . import _eager
+
+# A custom op's kernels run under torch._disable_dynamo, which imports torch._dynamo on the op's
+# first call: 1-1.5 s on an idle 2-core CPU, several seconds on a busy one, inside the first
+# ops.gdn_verify. Importing it here moves that cost to `import ssm_spec`, where a caller expects
+# it (transformers' generate imports it anyway).
 
 __all__ = ["define_op"]
 
