@@ -197,7 +197,15 @@ class RecoverSSMCache(DynamicCache):
     def begin_generate(self, prompt_tokens: int | None) -> None:
         """A ``generate`` call begins: its first forward holds ``prompt_tokens`` prompt tokens the
         cache does not hold yet (``None`` or negative: unknown, and that round's drafts are not
-        counted) before its drafts. Called by the converted model's ``generate``."""
+        counted) before its drafts. Called by the converted model's ``generate`` before
+        transformers' own runs anything.
+
+        Raises:
+            ValueError: an empty prompt (no tokens, and an empty cache), as ssm-spec's decode
+                loop refuses one; nothing is changed.
+        """
+        if prompt_tokens == 0 and self.get_seq_length() == 0:
+            raise ValueError("generate: the prompt (input_ids) has no tokens; give at least one (a BOS token, say)")
         self.prompt_len = None if prompt_tokens is None or prompt_tokens < 0 else int(prompt_tokens)
         self._forwards = 0
 

@@ -156,7 +156,12 @@ class RollbackPool:
         return _Plan(prefill_len, verify_len, prefill, verify)
 
     def run(self, layer, hidden: torch.Tensor) -> torch.Tensor:
-        """Run ``layer`` over this forward's ``hidden [B, L, D]`` -> ``[B, L, D]``."""
+        """Run ``layer`` over this forward's ``hidden [B, L, D]`` -> ``[B, L, D]``.
+
+        Raises:
+            ValueError: ``hidden`` of another shape than the forward planned, or of no tokens
+                (``L == 0``), or on another device than the layer's states.
+        """
         plan = self.plan
         B, L, D = hidden.shape
         if B != self.batch_size or L != plan.prefill_len + plan.verify_len:
@@ -166,6 +171,9 @@ class RollbackPool:
             raise ValueError(f"RollbackPool.run: {type(layer).__name__} got hidden states on {hidden.device}; its "
                              f"states are on {self.pool.device_of(layer)} (the device its forward was expected to "
                              "run on when the pool was made)")
+        if L == 0:
+            raise ValueError(f"RollbackPool.run: hidden: got [{B}, 0, {D}]: a forward of no tokens (an empty "
+                             "prompt?); expected at least one token per row")
         step = getattr(layer, "engine_forward", None) or layer  # adapters keep HF's forward
         outs = []
         if plan.prefill is not None:

@@ -301,3 +301,28 @@ def test_transformers_own_prompt_lookup_departs_from_its_greedy_where_ours_does_
     assert departures and max(gap for *_, gap in departures) > 1e-2, (
         f"transformers {transformers.__version__}'s own prompt lookup now equals its greedy on the tiny models "
         f"({departures}): update the README's comparison")
+
+
+@pytest.mark.parametrize("options", [dict(decode_loop=False), dict(decode_loop=False, cuda_graphs=True)])
+@pytest.mark.parametrize("drafts", [{}, dict(prompt_lookup_num_tokens=3)])
+def test_an_empty_prompt_is_refused_clearly_in_transformers_loop_too(options, drafts):
+    """As the decode loop refuses one (tests/hf/test_decode_loop.py): before any forward runs,
+    and the model generates as before afterwards (on CPU the graphed forward runs eagerly)."""
+    ref, model = _pair("qwen3_next", 0, "cpu")
+    apply_recoverssm(model, **options)
+    forwards = []
+    hook = model.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    with pytest.raises(ValueError, match=r"^generate: the prompt \(input_ids\) has no tokens"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4, **drafts)
+    hook.remove()
+    assert not forwards
+    ids = _ids()
+    assert torch.equal(_greedy(model, ids, 8, **drafts), _greedy(ref, ids, 8))
+
+
+def test_a_forward_of_no_tokens_names_its_hidden_states():
+    """Called directly (not through generate), an empty forward gets a clear message too, not
+    torch.cat's."""
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
+    with pytest.raises(ValueError, match=r"hidden: got \[1, 0, \d+\]: a forward of no tokens"):
+        model(torch.zeros(1, 0, dtype=torch.long), **_with(model, RecoverSSMCache(model)))
