@@ -5,12 +5,20 @@ per token; commit, once the accepted count is known, replays only the accepted t
 writes the state once. See docs/design.md for the design.
 """
 
-from . import ops, reference
-from .metadata import RecoverSSMMetadata
-from .modules import RecoverGatedDeltaNet, RecoverShortConv
-from .ops import NULL_SLOT, ReplayRecord
-from .pools import StatePool
-from .step import commit
+from ._lazy import command_line, lazy_attributes
+
+if command_line():  # `ssm-spec --help` needs no torch: each name loads on first use (ssm_spec/_lazy.py)
+    __getattr__ = lazy_attributes(__name__, {
+        "NULL_SLOT": "ops", "RecoverGatedDeltaNet": "modules", "RecoverSSMMetadata": "metadata",
+        "RecoverShortConv": "modules", "ReplayRecord": "ops", "StatePool": "pools", "commit": "step", "ops": "ops",
+        "reference": "reference"})
+else:
+    from . import ops, reference
+    from .metadata import RecoverSSMMetadata
+    from .modules import RecoverGatedDeltaNet, RecoverShortConv
+    from .ops import NULL_SLOT, ReplayRecord
+    from .pools import StatePool
+    from .step import commit
 
 __version__ = "0.1.0"
 

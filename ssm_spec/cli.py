@@ -11,6 +11,10 @@ of plain transformers, of the
 converted model without drafts and with drafts (medians of --repeats calls), and acceptance
 statistics (exit status 1 if --check finds tokens that differ from plain greedy, 2 on a usage
 or model error: checked before any model loads). Needs the hf extra.
+
+``--help`` and the option errors come before torch is imported: run as the command, the
+package imports lazily (:mod:`ssm_spec._lazy`), and each subcommand imports what it runs
+after parsing.
 """
 
 from __future__ import annotations
@@ -33,21 +37,28 @@ def main(argv: list[str] | None = None) -> int:
                                      "prints the text, the tokens/s of plain transformers, of the converted model "
                                      "without drafts and with drafts (medians of --repeats calls), and acceptance "
                                      "statistics.")
-    if argv[:1] == ["generate"]:  # its options import transformers (the hf extra): only when asked for
-        try:
-            from .hf import cli_generate
-        except ImportError as exc:
-            print(f"ssm-spec generate: error: needs transformers (pip install 'ssm-spec[hf]'): {exc}",
-                  file=sys.stderr)
-            return 2
-        cli_generate.add_arguments(gen)
-    args = parser.parse_args(argv)
+    if argv[:1] == ["generate"]:  # its options (the standard library alone: no torch before parsing)
+        from .hf import cli_args
+
+        cli_args.add_arguments(gen)
+    args = parser.parse_args(argv)  # --help and argparse's errors exit here, before torch is imported
     try:
         if args.command == "selfcheck":
             from .selfcheck import main as selfcheck_main
 
             return selfcheck_main(args.seed)
         if args.command == "generate":
+            try:
+                cli_args.check_values(args)  # the checks that need no model, still without torch
+            except cli_args.CLIError as exc:
+                print(cli_args.error_line(exc), file=sys.stderr)
+                return 2
+            try:
+                from .hf import cli_generate
+            except ImportError as exc:
+                print(f"ssm-spec generate: error: needs transformers (pip install 'ssm-spec[hf]'): {exc}",
+                      file=sys.stderr)
+                return 2
             return cli_generate.main(args)
     except BrokenPipeError:  # the reader went away (`ssm-spec generate | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit

@@ -4,20 +4,21 @@ This module imports neither torch nor transformers, nor another module of the pa
 import time: building the parser, printing ``--help``, naming the demo pair
 (:func:`resolve_names`), the option values (:func:`check_values`) and the checkpoint
 directories (:func:`checkpoint_dir`) all run on the standard library alone. (The packages
-above it, ``ssm_spec`` and ``ssm_spec.hf``, still import torch in their ``__init__``.) The
-checks that need torch or transformers (the device, a checkpoint's config) are in
-:mod:`ssm_spec.hf.cli_loading`.
+above it, ``ssm_spec`` and ``ssm_spec.hf``, import torch in their ``__init__`` except in the
+``ssm-spec`` command itself: :mod:`ssm_spec._lazy`.) The checks that need torch or
+transformers (the device, a checkpoint's config) are in :mod:`ssm_spec.hf.cli_loading`.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
 __all__ = ["DEFAULT_PROMPT", "DRAFT_KEYWORDS", "DTYPE_NAMES", "TINY_KIND", "CLIError", "add_arguments",
-           "check_values", "checkpoint_dir", "note", "resolve_names"]
+           "check_values", "checkpoint_dir", "error_line", "note", "resolve_names"]
 
 #: The default prompt: the start of a small class, whose continuation (more methods of the same
 #: shape) the demo model writes and prompt lookup can copy from.
@@ -43,6 +44,12 @@ DRAFT_KEYWORDS = ("prompt-lookup", "self")
 
 class CLIError(Exception):
     """A user-facing error: its message goes to stderr and the command exits with status 2."""
+
+
+def error_line(exc: Exception) -> str:
+    """``ssm-spec generate: error: ...``: the message of ``exc`` on one line, whatever its text
+    (a cause's, say) held."""
+    return "ssm-spec generate: error: " + re.sub(r"\s*\n\s*", " ", str(exc).strip())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
                         help="replay the model's forwards after the prompt as CUDA graphs "
                              "(apply_recoverssm(cuda_graphs=True)); auto: on a CUDA device (default)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch's intra-op threads (torch.set_num_threads). Default: 1 on a CPU device unless "
+                             "OMP_NUM_THREADS is set: the tiny and demo models' matmuls are too small to share (on a "
+                             "2-core machine one thread measured as fast as two when idle, and 2.6-4x faster with one "
+                             "core taken by another job, as threads that wait for a busy core wait for each other); "
+                             "torch's own default on CUDA. Raise it for a large checkpoint on a free many-core CPU")
     parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="float32",
                         help="model dtype (float32, the default, gives exactly plain greedy's tokens; it also "
                              "keeps TF32 out of cuBLAS, cuDNN and Triton dots unless TRITON_F32_DEFAULT is set)")
@@ -91,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="report whether the drafted run's tokens equal plain transformers' greedy "
                              "tokens (the unconverted model's; exit status 1 if not); needs greedy decoding")
     parser.add_argument("--quiet", action="store_true",
-                        help="no progress bars or notes on stderr (the text and the table still print)")
+                        help="no progress bars or notes on stderr (the text and the table still print); the bars "
+                             "show only where stderr is a terminal in any case")
 
 
 def note(args, message: str) -> None:
@@ -140,7 +154,7 @@ def check_values(args) -> None:
 
     Raises:
         CLIError: a count out of range (``--max-new-tokens``, ``--num-draft-tokens``,
-            ``--repeats`` below 1, ``--warmup`` below 0), a ``--confidence-threshold`` outside
+            ``--repeats``, ``--threads`` below 1, ``--warmup`` below 0), a ``--confidence-threshold`` outside
             [0, 1], a ``--temperature`` without ``--do-sample`` or not above 0, or ``--check``
             with ``--do-sample``.
     """
@@ -150,6 +164,8 @@ def check_values(args) -> None:
         raise CLIError(f"--num-draft-tokens: expected >= 1, got {args.num_draft_tokens}")
     if args.repeats < 1:
         raise CLIError(f"--repeats: expected >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads: expected >= 1, got {args.threads}")
     if args.warmup < 0:
         raise CLIError(f"--warmup: expected >= 0, got {args.warmup}")
     if not 0.0 <= args.confidence_threshold <= 1.0:

@@ -25,14 +25,13 @@ and :mod:`~ssm_spec.hf.cli_report` (the text and the table).
 
 from __future__ import annotations
 
-import re
 import sys
 
 # besides run and main, the names this module held before its parts moved out: the console
 # script, the tests and benchmarks/hf_demo.py import them from here
 
 from .cli_args import (DEFAULT_PROMPT, DRAFT_KEYWORDS, TINY_KIND, CLIError, add_arguments, check_values,
-                       resolve_names)
+                       error_line, resolve_names)
 from .cli_loading import (DTYPES, TOKENIZER_FILES, _load_pretrained, check_device, check_draft, check_model_dir,
                           length_warning, load_draft, load_model, load_tokenizer, max_positions, release_memory,
                           setup)
@@ -71,7 +70,7 @@ def run(args) -> int:
         if want != got:
             raise CLIError(f"--draft {args.draft}: its vocabulary has {got} tokens, the model's {want}: an assistant "
                            "must share the model's tokenizer")
-    dtype = setup(args)
+    dtype = setup(args, device)
     tokenizer = load_tokenizer(args)
     input_ids = tokenizer.encode(args.prompt, device)
     warning = length_warning(input_ids.shape[1], args.max_new_tokens,
@@ -106,10 +105,15 @@ def run(args) -> int:
 
 def main(args) -> int:
     """Entry point for parsed ``args``: :func:`run`, with a :class:`CLIError` printed to stderr
-    as ``ssm-spec generate: error: ...`` and turned into exit status 2."""
+    as ``ssm-spec generate: error: ...`` and turned into exit status 2. torch's thread count
+    (``--threads``) is restored on return (the command may run inside another program)."""
+    import torch
+
+    threads = torch.get_num_threads()
     try:
         return run(args)
     except CLIError as exc:
-        message = re.sub(r"\s*\n\s*", " ", str(exc).strip())  # one line, whatever the cause's text held
-        print(f"ssm-spec generate: error: {message}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)

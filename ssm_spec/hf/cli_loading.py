@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from .cli_args import DRAFT_KEYWORDS, DTYPE_NAMES, TINY_KIND, CLIError, checkpoint_dir, note
 
 __all__ = ["DTYPES", "TOKENIZER_FILES", "check_device", "check_draft", "check_model_dir", "length_warning",
-           "load_draft", "load_model", "load_tokenizer", "max_positions", "release_memory", "setup"]
+           "load_draft", "load_model", "load_tokenizer", "max_positions", "release_memory", "setup", "threads_for"]
 
 #: ``--dtype``'s names to torch dtypes.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -255,16 +256,31 @@ def load_draft(args, target, device, dtype):
     return draft, f"assistant {what}, {k} tokens"
 
 
-def setup(args) -> torch.dtype:
-    """Quiet transformers, pick the dtype, and make fp32 matmuls IEEE (no TF32).
+def threads_for(args, device) -> int | None:
+    """torch's intra-op thread count for ``args`` on ``device``: ``--threads``, else 1 on a CPU
+    device unless ``$OMP_NUM_THREADS`` chose one, else None (torch's own)."""
+    if getattr(args, "threads", None) is not None:
+        return args.threads
+    if torch.device(device).type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        return 1
+    return None
+
+
+def setup(args, device=None) -> torch.dtype:
+    """Quiet transformers (its progress bars too with ``--quiet`` or where stderr is not a
+    terminal), set torch's threads (:func:`threads_for`, given ``device``), pick the dtype, and
+    make fp32 matmuls IEEE (no TF32).
 
     Returns the torch dtype of ``args.dtype``.
     """
     import transformers
 
     transformers.logging.set_verbosity_error()
-    if args.quiet:
+    if args.quiet or not sys.stderr.isatty():  # bars redrawn with carriage returns only fill a log
         transformers.utils.logging.disable_progress_bar()
+    threads = None if device is None else threads_for(args, device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     dtype = DTYPES[args.dtype]
     if dtype == torch.float32:  # fp32 runs are exact: keep TF32 out of matmuls, convs and Triton dots
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")

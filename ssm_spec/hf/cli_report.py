@@ -30,7 +30,7 @@ def usable_cpus() -> int:
 
 
 def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | None, cpus: int,
-              spread: float | None = None) -> str | None:
+              spread: float | None = None, threads: int | None = None) -> str | None:
     """A note when the machine looked busy during the timed calls, or None.
 
     Two signs, each sound on its own:
@@ -48,7 +48,10 @@ def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | 
       repeats, above ``BUSY_SPREAD``: identical calls whose times differ that much were
       disturbed (intra-op threads spin while they wait, so CPU time alone can miss contention).
 
-    The timings are then inflated by the wait and say little about the code.
+    The timings are then inflated by the wait and say little about the code. The note says
+    what to do: on a CPU device with ``threads`` (torch's intra-op threads) above 1, pass
+    ``--threads 1`` (threads that wait for a taken core wait for one another: measured several
+    times slower on a busy 2-core machine); in any case, run again once other jobs are done.
     """
     why = []
     if device_type == "cpu" and wall_s > 0 and cpu_s < BUSY_CPU_FRACTION * wall_s:
@@ -60,8 +63,12 @@ def busy_note(cpu_s: float, wall_s: float, device_type: str, load_1min: float | 
         why.append(f"repeats of one configuration differ up to {spread:.1f}x")
     if not why:
         return None
+    advice = "run again once the other jobs are done (or stop them)"
+    if device_type == "cpu" and threads is not None and threads > 1:
+        advice = (f"torch ran {threads} intra-op threads, which wait for one another while another process holds a "
+                  f"core: pass --threads 1, or {advice}")
     return ("note: the machine looks busy (" + "; ".join(why) + "): other processes competed for the CPUs, "
-            "so the times above are inflated and their ratios uncertain")
+            f"so the times above are inflated and their ratios uncertain; {advice}")
 
 
 def _load_1min() -> float | None:
@@ -159,7 +166,7 @@ def print_report(args, tokenizer, device: torch.device, dtype: torch.dtype, grap
     print(format_table(rows))
     spread = max((max(r.times) / min(r.times) for r in runs if len(r.times) > 1 and min(r.times) > 0), default=None)
     busy = busy_note(sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs), device.type, _load_1min(),
-                     usable_cpus(), spread)
+                     usable_cpus(), spread, torch.get_num_threads())
     if busy:
         print(busy)
     if status and dtype != torch.float32:

@@ -23,13 +23,14 @@ class ProgressStreamer(BaseStreamer):
     Args:
         total: the bar's length (``max_new_tokens``).
         desc: the bar's label.
-        disable: no bar at all (``--quiet``).
+        disable: ``True``: no bar at all (``--quiet``); ``None`` (the default): no bar where
+            stderr is not a terminal (a log or a pipe would collect every redrawn frame).
 
     Attributes:
         tokens: new tokens seen so far.
     """
 
-    def __init__(self, total: int, desc: str = "generating", disable: bool = False):
+    def __init__(self, total: int, desc: str = "generating", disable: bool | None = None):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=total, desc=desc, unit="tok", disable=disable, leave=False, file=sys.stderr)
@@ -109,7 +110,7 @@ def timed_generate(model, input_ids, args, *, desc: str, speculative: dict | Non
         times, cpu_s = [], 0.0
         for i in range(args.repeats):
             label = desc if args.repeats == 1 else f"{desc} {i + 1}/{args.repeats}"
-            streamer = ProgressStreamer(args.max_new_tokens, desc=label, disable=args.quiet)
+            streamer = ProgressStreamer(args.max_new_tokens, desc=label, disable=True if args.quiet else None)
             if args.do_sample:
                 torch.manual_seed(args.seed)
             _sync(input_ids.device)

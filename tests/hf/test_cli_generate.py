@@ -22,10 +22,13 @@ from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args, timeout=300):
+def _run(*args, timeout=300, omp_threads="1"):
     """``ssm-spec generate ARGS`` in a subprocess; the tiny random model unless ARGS name a
-    ``--model`` (the default, the demo model, is tested in tests/hf/test_demo_model.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ``--model`` (the default, the demo model, is tested in tests/hf/test_demo_model.py).
+    ``omp_threads``: ``$OMP_NUM_THREADS`` (None: unset, the command's own default)."""
+    env = {**os.environ, "OMP_NUM_THREADS": omp_threads, "TOKENIZERS_PARALLELISM": "false"}
+    if omp_threads is None:
+        del env["OMP_NUM_THREADS"]
     model = [] if "--model" in map(str, args) else ["--model", "tiny-random"]
     return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *model, *map(str, args)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
@@ -255,7 +258,7 @@ def test_selfcheck_still_parses():
 def test_progress_streamer_counts_new_tokens_only():
     """The first put (the prompt) is skipped; later puts may carry several tokens (assisted
     generation) or one per row (plain decoding)."""
-    streamer = ProgressStreamer(total=10)
+    streamer = ProgressStreamer(total=10, disable=False)  # a bar even where stderr is not a terminal
     streamer.put(torch.zeros(1, 7, dtype=torch.long))  # the prompt
     streamer.put(torch.zeros(1, dtype=torch.long))
     streamer.put(torch.zeros(1, 4, dtype=torch.long))
@@ -389,3 +392,62 @@ def test_the_options_and_their_checks_import_neither_torch_nor_transformers(tmp_
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("threads, omp, want", [(None, None, 1), ("2", None, 2), (None, "2", 2)])
+def test_threads_default_to_one_on_cpu_and_bars_stay_out_of_a_redirected_stderr(threads, omp, want):
+    """No --threads on a CPU device: 1 intra-op thread (the tiny and demo models run as fast on one,
+    and several times faster on a busy machine), unless OMP_NUM_THREADS chose; --threads N sets N.
+    stderr is a pipe here: no progress bar frames in it, without --quiet too."""
+    extra = [] if threads is None else ["--threads", threads]
+    proc = _run("--max-new-tokens", 8, "--warmup", 0, "--repeats", 1, "--device", "cpu", *extra, omp_threads=omp)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.match(rf"{want} intra-op, \d+ inter-op", _row(proc.stdout, "torch threads")), proc.stdout
+    assert "\r" not in proc.stderr and "tok/s" not in proc.stderr and "it/s" not in proc.stderr, proc.stderr[:500]
+
+
+def test_threads_for_and_main_restores_the_thread_count(monkeypatch):
+    from argparse import Namespace
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cli_loading.threads_for(Namespace(threads=None), torch.device("cpu")) == 1
+    assert cli_loading.threads_for(Namespace(threads=None), torch.device("cuda")) is None
+    assert cli_loading.threads_for(Namespace(threads=3), torch.device("cuda")) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cli_loading.threads_for(Namespace(threads=None), torch.device("cpu")) is None
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cli_generate, "run", lambda args: torch.set_num_threads(before + 1) or 0)
+    assert cli_generate.main(Namespace()) == 0
+    assert torch.get_num_threads() == before
+
+
+def test_threads_below_one_are_refused(capsys, no_model_loads):
+    assert cli.main(["generate", "--threads", "0"]) == 2
+    assert capsys.readouterr().err == "ssm-spec generate: error: --threads: expected >= 1, got 0\n"
+
+
+def test_busy_note_says_what_to_do():
+    """Each note ends with advice: --threads 1 where torch ran several threads on the CPU."""
+    many = busy_note(0.2, 1.0, "cpu", 0.5, 4, threads=2)
+    assert "torch ran 2 intra-op threads" in many and "pass --threads 1" in many
+    assert "run again once the other jobs are done" in many
+    for note in (busy_note(0.2, 1.0, "cpu", 0.5, 4, threads=1), busy_note(0.1, 1.0, "cuda", 9.0, 2, threads=8)):
+        assert "--threads" not in note and note.endswith("run again once the other jobs are done (or stop them)")
+
+
+def test_progress_bars_show_only_on_a_terminal(monkeypatch):
+    """tqdm's disable=None: no bar where stderr is not a terminal (a log, a pipe); a bar on one."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        streamer = ProgressStreamer(total=4)
+        streamer.put(torch.zeros(1, 2, dtype=torch.long))
+        streamer.put(torch.zeros(1, 3, dtype=torch.long))
+        streamer.end()
+        assert streamer.tokens == 3 and (streamer.bar.n == 3) is shown
+        assert bool(stream.getvalue()) is shown
