@@ -184,7 +184,7 @@ def run(args) -> dict:
 
     cfg, init = model_config(args)
     with phases("build"):
-        model = tiny_model(args.kind, seed=args.seed, dtype=dtype, device=device, **init, **cfg)
+        model = tiny_model(args.kind, seed=args.seed, dtype=dtype, **init, **cfg).to(device)  # CPU-drawn: the committed results' weights
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {args.kind} {n_params / 1e6:.1f}M params, {args.dtype}, std {args.std:.4g}, "
           f"built in {phases.seconds['build']:.1f} s", flush=True)

@@ -211,6 +211,56 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
     assert graphed._recoverssm.loop.eager_rounds > 0
 
 
+#: Operations that read device values back on the host: a synchronisation a captured round
+#: cannot hold.
+READ_BACKS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero",
+              "repeat_interleave", "masked_scatter"}
+
+
+def _host_ops_of(fn) -> dict:
+    """``{op: count}`` of what ``fn()`` dispatches that synchronises on CUDA: the
+    :data:`READ_BACKS`, and an ``index_put_`` of a tensor made from host data (``x[idx] = True``:
+    on CUDA its value is copied from the host, a synchronising copy; a slice fill, ``x[..., :n] =
+    0``, takes the scalar as it is). Inside a custom op nothing is seen: its CUDA kernel is not
+    its CPU twin."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, lifted = {}, set()
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            out = func(*args, **(kwargs or {}))
+            if name in READ_BACKS:
+                seen[name] = seen.get(name, 0) + 1
+            elif name in ("lift_fresh", "lift_fresh_copy"):
+                lifted.add(id(out))
+            elif name in ("index_put", "index_put_", "_index_put_impl_") and id(args[2]) in lifted:
+                seen["index_put of host data"] = seen.get("index_put of host data", 0) + 1
+            return out
+
+    with Watch(), torch.no_grad():
+        fn()
+    return seen
+
+
+def test_a_round_reads_nothing_back_and_makes_no_tensor_from_host_data():
+    """Every drafter's round, with EOS held back by ``min_new_tokens`` and with sampling's warpers,
+    dispatches no operation that synchronises on CUDA (a CPU check of what the CUDA capture
+    refuses: ``mask[eos] = True`` once copied a host scalar to the device in every round)."""
+    ids, mask = _batch(TEXTS[:2])
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=2))
+    draft = _noisy_twin("qwen3_5", 2, "cpu")
+    calls = [dict(do_sample=False), dict(do_sample=False, prompt_lookup_num_tokens=3),
+             dict(do_sample=False, assistant_model=draft),
+             dict(do_sample=True, top_k=5, top_p=0.9, temperature=0.7, prompt_lookup_num_tokens=3)]
+    for kw in calls:
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, **kw)
+        loop = model._recoverssm.loop
+        assert loop.scoring.masks_eos, kw
+        assert _host_ops_of(loop._rounds) == {}, kw
+
+
 def test_streamer_gets_the_prompt_then_every_token():
     from transformers.generation.streamers import BaseStreamer
 

@@ -64,8 +64,9 @@ class Scoring:
             B, W, _ = scores.shape
             new = rows.produced[:, None] + offset + torch.arange(W, device=scores.device)[None, :]
             short = (new < rows.min_new[:, None]) | (rows.start[:, None] + new < rows.min_length[:, None])
-            mask = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device)
-            mask[self.eos] = True
+            # index_fill_ with a Python scalar: `mask[eos] = True` would copy a host tensor to the
+            # device, a synchronising copy that a captured round cannot hold
+            mask = torch.zeros(scores.shape[-1], dtype=torch.bool, device=scores.device).index_fill_(0, self.eos, True)
             scores = scores.masked_fill(short[..., None] & mask, -float("inf"))
         if self.warpers:
             B, W, V = scores.shape
