@@ -154,3 +154,17 @@ def first_divergence(plain, tokens: torch.Tensor, prompt_len: int):
         return None
     p = int(diff[0])
     return p, plain.scores[p][0].float().topk(2).values
+
+
+def verified_gdn(device, H=2, HV=4, K=8, V=6, S=6):
+    """``(inputs, pool, query_start_loc, src, record)``: two rows of three tokens verified from
+    slots 0 and 1 of a random pool of ``S`` slots (seed 0), the validation tests' common step."""
+    from ssm_spec import ops
+
+    gen = torch.Generator().manual_seed(0)
+    inp = gdn_inputs(6, H, HV, K, V, device, gen=gen)
+    pool = random_pool(S, HV, K, V, device, gen=gen)
+    qsl = qsl_from_lengths([3, 3], device)
+    src = i32([0, 1], device)
+    _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
+    return inp, pool, qsl, src, rec

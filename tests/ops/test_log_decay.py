@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from ssm_spec import ops
-from tests.helpers import gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
+from tests.helpers import verified_gdn, i32, qsl_from_lengths, same_bits
 
 HV, H, K, V, S = 4, 2, 8, 6, 6
 
 
 @pytest.fixture
 def setup(device):
-    gen = torch.Generator().manual_seed(0)
-    inp = gdn_inputs(6, H, HV, K, V, device, gen=gen)
-    pool = random_pool(S, HV, K, V, device, gen=gen)
-    _, rec = ops.gdn_verify(*inp.args(), pool, i32([0, 1], device), qsl_from_lengths([3, 3], device))
+    inp, pool, _, _, rec = verified_gdn(device, H, HV, K, V, S)
     return inp, pool, rec
 
 

@@ -7,20 +7,14 @@ import pytest
 import torch
 
 from ssm_spec import ops
-from tests.helpers import fenced, gdn_inputs, i32, qsl_from_lengths, random_pool, same_bits
+from tests.helpers import verified_gdn, fenced, i32, qsl_from_lengths, same_bits
 
 HV, H, K, V, S = 4, 2, 8, 6, 6
 
 
 @pytest.fixture
 def gdn(device):
-    gen = torch.Generator().manual_seed(0)
-    inp = gdn_inputs(6, H, HV, K, V, device, gen=gen)
-    pool = random_pool(S, HV, K, V, device, gen=gen)
-    qsl = qsl_from_lengths([3, 3], device)
-    src = i32([0, 1], device)
-    _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
-    return inp, pool, qsl, src, rec
+    return verified_gdn(device, H, HV, K, V, S)
 
 
 def _verify_kwargs(inp, pool, qsl, src):
