@@ -1,9 +1,12 @@
-"""README.md's code runs as written (issue 19: its snippets used names they never defined).
+"""The code of README.md and of the pages under docs/ runs as written, and the README's test
+command is what CI runs.
 
-Every ```python block is run on its own, in a fresh interpreter started outside the
-repository (the installed package, not the source tree on the path), on the CPU (CUDA hidden),
-with the tiny sizes the blocks choose themselves. A block that raises, or that needs a name an
-earlier block defined, fails its test. There is no skip marker: every block must run.
+Every ```python block of README.md and docs/*.md is run on its own, in a fresh interpreter
+started outside the repository (the installed package, not the source tree on the path), on
+the CPU (CUDA hidden), with the tiny sizes the blocks choose themselves. A block that raises,
+or that needs a name an earlier block defined, fails its test. There is no skip marker: every
+block must run. Each user path keeps its runnable blocks (``EXPECTED_PYTHON_BLOCKS``): a block
+that moves between pages moves in that table too.
 
 The shell commands are not run (they build a virtual environment), but the README's test
 command must be exactly what ``.ci/run`` runs.
@@ -24,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 
 
-def code_blocks(text: str) -> list[tuple[str, int, str]]:
-    """``(language, first line number, code)`` of every fenced block, dedented (blocks inside
-    a list item are indented)."""
+def code_blocks(text: str, name: str = "README.md") -> list[tuple[str, int, str]]:
+    """``(language, first line number, code)`` of every fenced block of the file ``name``,
+    dedented (blocks inside a list item are indented)."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -38,7 +41,7 @@ def code_blocks(text: str) -> list[tuple[str, int, str]]:
         while i < len(lines) and not (FENCE.match(lines[i]) and lines[i].strip() == "```"):
             i += 1
         if i == len(lines):
-            raise ValueError(f"README.md:{start}: unclosed code block")
+            raise ValueError(f"{name}:{start}: unclosed code block")
         body = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[start:i])
         blocks.append((lang, start + 1, textwrap.dedent(body) + "\n"))
         i += 1
@@ -46,23 +49,31 @@ def code_blocks(text: str) -> list[tuple[str, int, str]]:
 
 
 README_BLOCKS = code_blocks((ROOT / "README.md").read_text())
-PYTHON_BLOCKS = [(line, code) for lang, line, code in README_BLOCKS if lang == "python"]
+DOC_FILES = ["README.md", *(p.relative_to(ROOT).as_posix() for p in sorted((ROOT / "docs").glob("*.md")))]
+#: ``(file:line, code)`` of every Python block of README.md and docs/*.md
+PYTHON_BLOCKS = [(f"{name}:{line}", code) for name in DOC_FILES
+                 for lang, line, code in code_blocks((ROOT / name).read_text(), name) if lang == "python"]
+#: the fewest Python blocks each page must hold: the README's Hugging Face, ops and capture blocks;
+#: docs/: the decode loop, the short conv and the modules, fast mode, a device map
+EXPECTED_PYTHON_BLOCKS = {"README.md": 3, "docs/huggingface.md": 1, "docs/ops-and-modules.md": 2,
+                          "docs/fast-mode.md": 1, "docs/multi-gpu.md": 1}
 
 
 def test_the_extraction_finds_the_blocks():
     blocks = code_blocks("text\n```python\nx = 1\n```\n\n1. item\n\n   ```bash\n   echo hi\n   ```\n")
     assert blocks == [("python", 3, "x = 1\n"), ("bash", 9, "echo hi\n")]
-    assert len(PYTHON_BLOCKS) >= 4  # ops, modules, graphs, Hugging Face
+    counts = {name: sum(where.startswith(name + ":") for where, _ in PYTHON_BLOCKS) for name in DOC_FILES}
+    assert all(counts.get(name, 0) >= n for name, n in EXPECTED_PYTHON_BLOCKS.items()), counts
 
 
-@pytest.mark.parametrize("line,code", PYTHON_BLOCKS, ids=[f"README.md:{line}" for line, _ in PYTHON_BLOCKS])
-def test_readme_python_block_runs(line, code, tmp_path):
+@pytest.mark.parametrize("where,code", PYTHON_BLOCKS, ids=[where for where, _ in PYTHON_BLOCKS])
+def test_readme_python_block_runs(where, code, tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
            "TMPDIR": str(tmp_path)}  # what a block leaves in a temporary directory goes with tmp_path
     env.pop("PYTHONPATH", None)  # the installed package, as a reader has it
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, f"README.md:{line}: the block fails:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{where}: the block fails:\n{proc.stderr[-4000:]}"
 
 
 def _ci_commands() -> list[str]:
