@@ -41,7 +41,7 @@ def test_tensorrt_verify_example_exports_and_commits(capsys):
 
 
 def test_tensor_parallel_example_under_torchrun():
-    """The README's launch line, two CPU ranks over gloo (loopback), bounded in time."""
+    """docs/multi-gpu.md's launch line, two CPU ranks over gloo (loopback), bounded in time."""
     import socket
     import subprocess
     import sys
