@@ -39,7 +39,7 @@ DEFAULT_PROMPT = ("class Stack:\n"
 TINY_KIND = "qwen3_next"
 #: ``--dtype``'s values: names of torch dtypes (``cli_loading.DTYPES`` maps them to the dtypes).
 DTYPE_NAMES = ("bfloat16", "float32")
-DRAFT_KEYWORDS = ("prompt-lookup", "self")
+DRAFT_KEYWORDS = ("prompt-lookup", "self", "mtp")
 
 
 class CLIError(Exception):
@@ -63,13 +63,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=DEFAULT_PROMPT,
                         help="the prompt (default: the start of a small Python class)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens to generate (256)")
-    parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|demo|PATH",
+    parser.add_argument("--draft", default="prompt-lookup", metavar="prompt-lookup|self|mtp|demo|PATH",
                         help="where drafts come from: prompt lookup (default), 'self' (the model drafts for "
-                             "itself: every draft is accepted), 'demo' (the packaged demo draft), or a local "
-                             "causal LM checkpoint used as the assistant model (converted with apply_recoverssm "
-                             "when it has GDN layers)")
+                             "itself: every draft is accepted), 'mtp' (the checkpoint's own multi-token-prediction "
+                             "head, its mtp.* weights: generate(use_mtp=True) in ssm-spec's decode loop), 'demo' "
+                             "(the packaged demo draft), or a local causal LM checkpoint used as the assistant model "
+                             "(converted with apply_recoverssm when it has GDN layers)")
     parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="K",
-                        help="drafts per round: prompt_lookup_num_tokens, or the assistant's "
+                        help="drafts per round: prompt_lookup_num_tokens, or the assistant's or MTP head's "
                              "num_assistant_tokens (5)")
     parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
                         help="the assistant's assistant_confidence_threshold: where a call runs transformers' own loop "
@@ -192,12 +193,12 @@ def checkpoint_dir(path: str, option: str) -> Path:
             ``config.json``, or no weights.
     """
     if not str(path).strip():
-        expected = ("prompt-lookup, self, demo, or a local checkpoint directory" if option == "--draft"
+        expected = ("prompt-lookup, self, mtp, demo, or a local checkpoint directory" if option == "--draft"
                     else "tiny-random, demo, or a local checkpoint directory")
         raise CLIError(f"{option}: empty (expected {expected})")
     p = Path(path).expanduser()
     if not p.exists():
-        expected = ("prompt-lookup, self, demo, or a local checkpoint directory" if option == "--draft"
+        expected = ("prompt-lookup, self, mtp, demo, or a local checkpoint directory" if option == "--draft"
                     else "tiny-random, demo, or a local checkpoint directory; nothing is downloaded")
         raise CLIError(f"{option} {path}: no such directory (expected {expected})")
     if not p.is_dir():

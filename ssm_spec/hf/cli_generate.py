@@ -4,7 +4,8 @@ Loads the packaged demo model (the default), a local checkpoint or the embedded 
 model, and times three ``generate`` runs
 of it, each the median of ``--repeats`` calls: plain transformers (the model as loaded), the
 model converted by :func:`~ssm_spec.hf.apply_recoverssm` without drafts, and the converted
-model with prompt lookup or a draft model. It prints the text and a table: the three tokens/s,
+model with prompt lookup, a draft model or the checkpoint's own MTP head (``--draft mtp``:
+``generate(use_mtp=True, num_assistant_tokens=K)``). It prints the text and a table: the three tokens/s,
 the speed-ups (each line naming the two runs it divides), the torch thread count, a note when
 the machine looked busy, and the acceptance statistics of the
 :class:`~ssm_spec.hf.RecoverSSMCache`. With ``--check`` it reports whether the drafted run's
@@ -33,8 +34,8 @@ import sys
 from .cli_args import (DEFAULT_PROMPT, DRAFT_KEYWORDS, TINY_KIND, CLIError, add_arguments, check_values,
                        error_line, resolve_names)
 from .cli_loading import (DTYPES, TOKENIZER_FILES, _load_pretrained, check_device, check_draft, check_model_dir,
-                          length_warning, load_draft, load_model, load_tokenizer, max_positions, release_memory,
-                          setup)
+                          length_warning, load_draft, load_model, load_mtp_check, load_tokenizer, max_positions,
+                          release_memory, setup)
 from .cli_report import (BUSY_CPU_FRACTION, BUSY_SPREAD, POSITIONS_SHOWN, RANDOM_WEIGHTS_NOTE, busy_note,
                          format_table, print_report, printable, usable_cpus)
 from .cli_timing import ProgressStreamer, RunResult, timed_generate
@@ -79,7 +80,9 @@ def run(args) -> int:
         print(warning, file=sys.stderr)
 
     model, model_desc = load_model(args, device, dtype)
-    early = args.draft not in ("prompt-lookup", "self")  # a checkpoint: an unloadable one fails before any timing
+    if args.draft == "mtp":  # the head's tensors are read once here: a misshapen one fails before any timing
+        load_mtp_check(model, args.model)
+    early = args.draft not in ("prompt-lookup", "self", "mtp")  # a checkpoint: an unloadable one fails before timing
     if early:
         draft, draft_desc = load_draft(args, model, device, dtype)
     plain = timed_generate(model, input_ids, args, desc="plain transformers")
@@ -95,8 +98,12 @@ def run(args) -> int:
     converted = timed_generate(model, input_ids, args, desc="converted, no drafts")
     if not early:  # prompt lookup, or the converted model itself
         draft, draft_desc = load_draft(args, model, device, dtype)
-    speculative = ({"prompt_lookup_num_tokens": args.num_draft_tokens} if draft is None
-                   else {"assistant_model": draft})
+    if args.draft == "mtp":  # the checkpoint's own head, inside ssm-spec's decode loop
+        speculative = {"use_mtp": True, "num_assistant_tokens": args.num_draft_tokens}
+    elif draft is None:
+        speculative = {"prompt_lookup_num_tokens": args.num_draft_tokens}
+    else:
+        speculative = {"assistant_model": draft}
     spec = timed_generate(model, input_ids, args, desc="converted, with drafts", speculative=speculative)
     del model, draft, speculative
     release_memory()

@@ -19,8 +19,9 @@ import torch
 
 from .cli_args import DRAFT_KEYWORDS, DTYPE_NAMES, TINY_KIND, CLIError, checkpoint_dir, note
 
-__all__ = ["DTYPES", "TOKENIZER_FILES", "check_device", "check_draft", "check_model_dir", "length_warning",
-           "load_draft", "load_model", "load_tokenizer", "max_positions", "release_memory", "setup", "threads_for"]
+__all__ = ["DTYPES", "TOKENIZER_FILES", "check_device", "check_draft", "check_model_dir", "check_mtp",
+           "length_warning", "load_draft", "load_mtp_check", "load_model", "load_tokenizer", "max_positions",
+           "release_memory", "setup", "threads_for"]
 
 #: ``--dtype``'s names to torch dtypes.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -96,15 +97,48 @@ def check_device(spec: str | None) -> torch.device:
 
 
 def check_draft(args):
-    """Check ``--draft`` before anything loads: ``prompt-lookup``, ``self``, or a local
-    checkpoint directory whose config reads. Returns that config (``None`` for the keywords).
+    """Check ``--draft`` before anything loads: ``prompt-lookup``, ``self``, ``mtp``
+    (:func:`check_mtp`), or a local checkpoint directory whose config reads. Returns that config
+    (``None`` for the keywords).
 
     Raises:
-        CLIError: anything else (the message names the valid values).
+        CLIError: anything else (the message names the valid values); ``mtp`` for a model
+            without an MTP head.
     """
+    if args.draft == "mtp":
+        check_mtp(args)
     if args.draft in DRAFT_KEYWORDS:
         return None
     return _load_config(checkpoint_dir(args.draft, "--draft"), "--draft")
+
+
+def check_mtp(args) -> int:
+    """Check, before any weight loads, that ``--model`` has an MTP head for ``--draft mtp``: a
+    checkpoint (not the tiny random model) whose config declares its MTP layers
+    (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``) and whose safetensors hold
+    ``mtp.*`` tensors (their names are read, not the tensors). Returns the layer count.
+
+    Raises:
+        CLIError: the tiny random model; a config without the layer count (or 0); no ``mtp.*``
+            tensors, or weights that cannot be read.
+    """
+    from .mtp import config_layer_count, mtp_tensor_files
+
+    if args.model is None:
+        raise CLIError("--draft mtp: the tiny random model has no MTP head (mtp.* weights); pass --model with a "
+                       "checkpoint that has one")
+    path = checkpoint_dir(args.model, "--model")
+    try:
+        count = config_layer_count(_load_config(path, "--model"))
+        where, files = mtp_tensor_files(path)
+    except ValueError as exc:
+        raise CLIError(f"--draft mtp: --model {path} has no MTP head: {str(exc).removeprefix('MTP head: ')}") from None
+    except Exception as exc:  # an unreadable safetensors header
+        raise CLIError(f"--draft mtp: --model {path}: cannot read its weights' names: {exc}") from exc
+    if not files:
+        raise CLIError(f"--draft mtp: --model {path} has no MTP head: no mtp.* tensors in {where} (its config "
+                       f"declares {count} MTP layer(s))")
+    return count
 
 
 def max_positions(config) -> int | None:
@@ -224,8 +258,8 @@ def load_tokenizer(args) -> _Tokenizer:
 
 
 def load_draft(args, target, device, dtype):
-    """The assistant model for ``--draft``: ``None`` for prompt lookup, ``target`` for ``self``,
-    else the checkpoint at the path, converted with ``apply_recoverssm`` when it has GDN layers.
+    """The assistant model for ``--draft``: ``None`` for prompt lookup and for ``mtp`` (the
+    target's own head, :func:`load_mtp_check`), ``target`` for ``self``, else the checkpoint at the path, converted with ``apply_recoverssm`` when it has GDN layers.
     Its generation config is set to draft ``--num-draft-tokens`` tokens per round.
 
     Returns ``(draft_or_None, description)``.
@@ -238,6 +272,8 @@ def load_draft(args, target, device, dtype):
     k = args.num_draft_tokens
     if args.draft == "prompt-lookup":
         return None, f"prompt lookup, {k} tokens"
+    if args.draft == "mtp":
+        return None, f"the checkpoint's MTP head, {k} tokens"
     check_draft(args)
     if args.draft == "self":
         draft, what = target, "the model itself"
@@ -254,6 +290,23 @@ def load_draft(args, target, device, dtype):
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.assistant_confidence_threshold = args.confidence_threshold
     return draft, f"assistant {what}, {k} tokens"
+
+
+def load_mtp_check(model, path) -> int:
+    """Read ``model``'s MTP head from its checkpoint once, before any timed run, so that tensors
+    that do not fit fail in seconds (``generate(use_mtp=True)`` reads it again on its first call).
+    Returns the head's layer count.
+
+    Raises:
+        CLIError: as :func:`~ssm_spec.hf.mtp.load_mtp_head` (missing, unexpected or misshapen
+            ``mtp.*`` tensors), naming ``--model path``.
+    """
+    from .mtp import load_mtp_head
+
+    try:
+        return load_mtp_head(model).num_layers
+    except ValueError as exc:
+        raise CLIError(f"--draft mtp: --model {path}: {str(exc).removeprefix('MTP head: ')}") from None
 
 
 def threads_for(args, device) -> int | None:

@@ -451,3 +451,61 @@ def test_progress_bars_show_only_on_a_terminal(monkeypatch):
         streamer.end()
         assert streamer.tokens == 3 and (streamer.bar.n == 3) is shown
         assert bool(stream.getvalue()) is shown
+
+
+# ---------------------------------------------------------------------------------------- --draft mtp
+def _mtp_checkpoint(path, **kw):
+    """A saved tiny Qwen3.5 with ``mtp.*`` tensors beside its own (tests/hf/test_mtp.py's; by
+    default the token-copying head, which the tiny model accepts at times)."""
+    from tests.hf.test_mtp import write_checkpoint
+
+    write_checkpoint(path, "qwen3_5", seed=3, **{"copy_token": True, **kw})
+    return path
+
+
+def test_draft_mtp_drafts_with_the_checkpoints_head_and_equals_plain_greedy(tmp_path):
+    """``--draft mtp``: ``generate(use_mtp=True, num_assistant_tokens=K)`` in the decode loop, the
+    tokens plain greedy's, drafts offered at every one of the K positions and some accepted."""
+    proc = _run("--model", _mtp_checkpoint(tmp_path), "--draft", "mtp", "--num-draft-tokens", 3, "--check",
+                "--max-new-tokens", 32, "--warmup", 0, "--repeats", 1, "--device", "cpu", "--quiet")
+    _assert_ok_and_equal(proc)
+    assert _row(proc.stdout, "draft") == "the checkpoint's MTP head, 3 tokens", proc.stdout
+    assert len(_row(proc.stdout, "acceptance by position").split()) == 3, proc.stdout
+    assert float(_row(proc.stdout, "mean accepted length").split()[0]) > 1.0, proc.stdout
+
+
+@pytest.mark.parametrize("case, words", [
+    ("tiny-random", ["--draft mtp: the tiny random model has no MTP head"]),
+    ("no count", ["has no MTP head", "mtp_num_hidden_layers"]),
+    ("no tensors", ["has no MTP head", "no mtp.* tensors in"]),
+])
+def test_draft_mtp_on_a_model_without_a_head_is_one_line_before_any_model_loads(capsys, no_model_loads, tmp_path,
+                                                                               case, words):
+    """No MTP head is said from the config and the weights' names, before any model loads."""
+    from ssm_spec.hf import tiny_model
+
+    argv = ["--model", "tiny-random"]
+    if case != "tiny-random":
+        model = tiny_model("qwen3_5", seed=3)
+        if case == "no tensors":
+            model.config.mtp_num_hidden_layers = 1
+        model.save_pretrained(tmp_path)
+        argv = ["--model", str(tmp_path)]
+    assert cli.main(["generate", *argv, "--draft", "mtp", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    line = captured.err.strip().splitlines()[-1]
+    assert line.startswith("ssm-spec generate: error: --draft mtp") and all(w in line for w in words), line
+    assert captured.out == ""
+
+
+def test_draft_mtp_with_tensors_that_do_not_fit_fails_before_any_timed_run(capsys, monkeypatch, tmp_path):
+    """A head of two layers where the config declares one: refused right after the target loads."""
+    _mtp_checkpoint(tmp_path, layers=2, count=1, copy_token=False)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a run was timed before the MTP head was read")
+
+    monkeypatch.setattr(cli_generate, "timed_generate", no_timing)
+    assert cli.main(["generate", "--model", str(tmp_path), "--draft", "mtp", "--device", "cpu"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("ssm-spec generate: error: --draft mtp: --model") and "mtp.layers.1" in line, line

@@ -43,7 +43,7 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["MTPHead", "text_decoder", "attention_config", "mtp_layer_count", "LAYER_COUNT_NAMES"]
+__all__ = ["MTPHead", "text_decoder", "attention_config", "mtp_layer_count", "config_layer_count", "LAYER_COUNT_NAMES"]
 
 #: The config attributes that give the MTP layer count: Qwen3.5's, then Qwen3-Next's.
 LAYER_COUNT_NAMES = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
@@ -82,12 +82,22 @@ def attention_config(model: nn.Module):
 def mtp_layer_count(model: nn.Module) -> int:
     """The MTP layer count a checkpoint declares: ``mtp_num_hidden_layers`` (Qwen3.5) or
     ``num_nextn_predict_layers`` (Qwen3-Next), looked up in the text config, then the top-level
-    config.
+    config (:func:`config_layer_count` of ``model.config``).
 
     Raises:
         ValueError: neither attribute is set, or the count is below 1.
     """
-    configs = [model.config.get_text_config(), model.config]
+    return config_layer_count(model.config)
+
+
+def config_layer_count(config) -> int:
+    """:func:`mtp_layer_count` from a transformers config (a model's, or one read with
+    ``AutoConfig`` before any weight loads).
+
+    Raises:
+        ValueError: neither attribute is set, or the count is below 1.
+    """
+    configs = [config.get_text_config(), config]
     for cfg in configs:
         for name in LAYER_COUNT_NAMES:
             value = getattr(cfg, name, None)
@@ -97,7 +107,7 @@ def mtp_layer_count(model: nn.Module) -> int:
                 raise ValueError(f"MTP head: the model's config has {name}={value}: the checkpoint declares no MTP "
                                  "layer, so there is no head to draft with")
             return int(value)
-    raise ValueError(f"MTP head: the model's config ({type(model.config).__name__}) sets neither "
+    raise ValueError(f"MTP head: the model's config ({type(config).__name__}) sets neither "
                      f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next): the MTP layer count "
                      "is missing (a checkpoint with an MTP head declares it in config.json)")
 
