@@ -16,10 +16,18 @@ from ssm_spec.hf.tiny import KINDS, ByteTokenizer
 TOK = ByteTokenizer()
 
 
-def _target(kind, batch, window):
+def _target(kind, batch, window, prefill=True):
     model = apply_recoverssm(tiny_model(kind, seed=0).eval())
     target = LoopModel(model, batch, 64, window)
     rows = Rows(batch, 64, "cpu", pad_token_id=TOK.pad_token_id)
+    if prefill:
+        _load(target, rows)
+    return target, rows
+
+
+def _load(target, rows):
+    """Rows of 10 tokens (the second left-padded by 3), prefilled, one token produced."""
+    batch = rows.batch_size
     prompt = torch.randint(0, 256, (batch, 10), generator=torch.Generator().manual_seed(0))
     pad = torch.tensor([0, 3][:batch], dtype=torch.int64)
     prompt[1:, :3] = TOK.pad_token_id
@@ -27,7 +35,6 @@ def _target(kind, batch, window):
     with torch.no_grad():
         target.prefill(rows, 10, (10 - pad).tolist())
     rows.produced.fill_(1)
-    return target, rows
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -56,18 +63,52 @@ def test_verify_forward_compiles_in_one_graph_without_recompiles(kind):
     assert not counters["recompiles"], dict(counters["recompiles"])
 
 
+def test_a_fresh_loop_cache_compiles_once_for_its_first_and_later_rounds():
+    """The captured loop runs its first rounds on a fresh cache, before any prefill (padding rows
+    only): that forward and the ones after the prefill share one graph. Attention buffers made
+    lazily inside the first compiled call changed its guards, and the next call, the capture's
+    checked warm-up, compiled again and synchronised there."""
+    torch._dynamo.reset()
+    counters.clear()
+    target, rows = _target("qwen3_5", 2, 4, prefill=False)
+    compiled = torch.compile(target._forward, fullgraph=True, backend="eager")
+
+    def round_(n):
+        columns = rows.window_columns(4)
+        md = target.cache.verify_metadata(~rows.finished, 4)
+        target.cache.verify_step(md, columns)
+        compiled(rows.window_tokens(columns), columns, rows.pad, 0)
+        target.commit(md, torch.full((2,), n, dtype=torch.int32))
+
+    with torch.no_grad():
+        rows.finished.fill_(True)
+        round_(0)  # padding rows on a fresh cache, as the capture's first rounds
+        _load(target, rows)
+        round_(1)
+        round_(1)
+    # a guard that fails compiles the frame again without counting a "recompile"
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 def test_compiled_and_captured_loop_equals_plain_greedy(kind):
     """``compile=True`` with ``cuda_graphs=True`` on CUDA: inductor's forward inside the captured
     rounds; fp32 greedy tokens equal the unconverted model's, with prompt lookup, batch 2."""
+    import warnings
+
     device = torch.device("cuda")
     ref = tiny_model(kind, seed=1).to(device)
     model = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=True, compile=True)
     texts = ["the cat sat on the mat. the cat sat on the", "a b c a b c a b"]
-    for text in texts:
-        ids = torch.tensor([TOK.encode(text)], device=device)
-        want = ref.generate(ids, max_new_tokens=24, do_sample=False)
-        got = model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
-        assert torch.equal(got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a capture that falls back to eager rounds fails
+        for text in texts:
+            ids = torch.tensor([TOK.encode(text)], device=device)
+            want = ref.generate(ids, max_new_tokens=24, do_sample=False)
+            got = model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
+            assert torch.equal(got, want)
+            loop = model._recoverssm.loop
+            assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0

@@ -159,7 +159,8 @@ def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
     want = reference.generate(prompt, max_new_tokens=NEW, do_sample=False)
     logits = []
     for capture in (True, False):
-        model = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=True)
+        # transformers' own loop with graphed forwards (output_logits is for that loop alone)
+        model = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=True, decode_loop=False)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             # keeps a cache sized for the calls below (a longer call would keep a new one, capture on)
@@ -174,7 +175,16 @@ def test_every_class_captures_on_cuda_and_replays_the_eager_logits(kind):
             assert graphed.failed is None and (graphed.replays > before) == capture
             logits.append(torch.cat(out.logits))
             if capture:
-                assistant = apply_recoverssm(tiny_model(kind, seed=2).to(device), cuda_graphs=True)
+                assistant = apply_recoverssm(tiny_model(kind, seed=2).to(device), cuda_graphs=True,
+                                             decode_loop=False)
                 got = model.generate(prompt, max_new_tokens=NEW, do_sample=False, assistant_model=assistant)
                 assert torch.equal(got, want), (kind, "assistant")
     assert torch.equal(logits[0], logits[1])
+    # the decode loop's captured rounds, compiled forward inside, on the same class
+    looped = apply_recoverssm(tiny_model(kind, seed=1).to(device), cuda_graphs=True, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+            assert torch.equal(looped.generate(prompt, max_new_tokens=NEW, do_sample=False, **kw), want), (kind, kw)
+            loop = looped._recoverssm.loop
+            assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0, (kind, kw)

@@ -43,13 +43,19 @@ class RowAttentionLayer(DynamicLayer):
         self.capacity = int(capacity)
         self.columns: torch.Tensor | None = None
 
+    def allocate(self, batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Make the buffers now (zeros ``[batch_size, kv_heads, capacity, head_dim]``), so that a
+        compiled or captured forward never makes them: made inside the first compiled call, they
+        changed what its guards saw and the next call compiled again, inside the checked warm-up
+        of a captured round."""
+        self.dtype, self.device = dtype, torch.device(device)
+        self.keys = torch.zeros((batch_size, kv_heads, self.capacity, head_dim), dtype=dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.is_initialized = True
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = torch.zeros((B, H, self.capacity, D), dtype=key_states.dtype, device=self.device)
-        self.values = torch.zeros((B, H, self.capacity, value_states.shape[-1]), dtype=value_states.dtype,
-                                  device=self.device)
-        self.is_initialized = True
+        self.allocate(B, H, D, key_states.dtype, key_states.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -108,6 +114,10 @@ class LoopCache(DynamicCache):
         self.num_rows, self.capacity, self.max_window = int(batch_size), int(capacity), int(max_window)
         weight = model.get_input_embeddings().weight
         self.device = weight.device
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for layer in self.attention_layers:
+            layer.allocate(self.num_rows, kv_heads, head_dim, weight.dtype, self.device)
         self.pool = None
         if self.adapters:
             self.pool = StatePool(self.adapters, num_slots=self.num_rows, max_tokens=self.num_rows * self.max_window,

@@ -51,11 +51,9 @@ class HeadKV:
 
     def __init__(self, head, batch_size: int, capacity: int, device, dtype):
         attn = head.layers[0].self_attn
-        kv_heads = attn.config.num_key_value_heads
-        empty = torch.empty(int(batch_size), kv_heads, 0, attn.head_dim, dtype=dtype, device=device)
         self.layers = [RowAttentionLayer(capacity) for _ in range(head.num_layers)]
         for layer in self.layers:
-            layer.lazy_initialization(empty, empty)
+            layer.allocate(int(batch_size), attn.config.num_key_value_heads, attn.head_dim, dtype, device)
 
     def set_columns(self, columns: torch.Tensor) -> None:
         for layer in self.layers:
