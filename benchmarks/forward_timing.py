@@ -43,11 +43,13 @@ def weight_read_floor_ms(model, bandwidth: float) -> tuple[float, int]:
     return 1e3 * nbytes / bandwidth, nbytes
 
 
-def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt_len: int = 64) -> dict:
+def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt_len: int = 64,
+                        compile: bool = False) -> dict:
     """Kernel time of one target verify forward of ``width`` tokens per row (``width=1``: a
     decode step) through the decode loop's forward (:class:`ssm_spec.hf.loop.forward.LoopModel`),
     after a prefill of ``prompt_len`` tokens: ``{"ms": median over reps, "kernels": kernels per
-    forward}``. Each forward verifies from the same state (nothing is committed)."""
+    forward}``. Each forward verifies from the same state (nothing is committed); ``compile``:
+    through ``torch.compile`` as the loop's ``compile=True`` runs it."""
     from ssm_spec.hf import recoverssm_config
     from ssm_spec.hf.loop.forward import LoopModel
     from ssm_spec.hf.loop.rows import Rows
@@ -55,7 +57,8 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
     config = recoverssm_config(model)
     device = model.get_input_embeddings().weight.device
     capacity = prompt_len + width + 8
-    target = LoopModel(model, batch, capacity, width, state_dtype=config.state_dtype, mode=config.mode)
+    target = LoopModel(model, batch, capacity, width, state_dtype=config.state_dtype, mode=config.mode,
+                       compile=compile)
     rows = Rows(batch, capacity, device, pad_token_id=0)
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
