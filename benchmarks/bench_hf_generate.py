@@ -86,7 +86,7 @@ import math
 
 import torch
 from _results import HelpFormatter, add_out_args, resolve_out_dir, write_results
-from hf_demo import demo_paths, held_out_prompts, print_demo, run_demo, save_demo_plot
+from hf_demo import demo_paths, held_out_prompts, mtp_missing, print_demo, run_demo, save_demo_plot
 from hf_environment import environment
 from hf_report import print_table, save_plot
 from hf_runs import DTYPES, run
@@ -129,6 +129,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-files", type=int, default=2,
                    help="with --model: held-out files to prompt from (a continuation and an edit each)")
     p.add_argument("--prompt-bytes", type=int, default=1024, help="with --model: bytes of each file in its prompts")
+    p.add_argument("--mtp-k", type=int, nargs="+", default=None, metavar="K",
+                   help="with --model: draft lengths of the loop+mtp runs, the target checkpoint's own MTP head "
+                        "(generate(use_mtp=True, num_assistant_tokens=K)); default 1 2 3 4 5 where the checkpoint "
+                        "has mtp.* weights (skipped, and said so, where it has none; named here, refused)")
+    p.add_argument("--loop-only", action="store_true",
+                   help="with --model: only hf and the decode loop's runs (loop, loop+lookup, loop+draft, loop+mtp), "
+                        "not transformers' loop on the converted model (ours*, graphs*)")
     p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
                    help="model class (ssm_spec.hf.tiny.KINDS): the *_moe kinds have expert layers in every layer; "
                         "the *_vl kinds are the vision-language classes, run on text prompts")
@@ -217,13 +224,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
     if args.model is None and args.draft is not None:
         p.error("--draft needs --model (the random-weight runs draft by prompt lookup)")
+    if args.model is None and (args.mtp_k is not None or args.loop_only):
+        p.error("--mtp-k and --loop-only need --model (the random-weight runs have no MTP head)")
     if args.model is not None:  # the trained pair and its prompts, checked before anything loads
         if min(args.prompt_files, args.prompt_bytes) < 1:
             p.error("--prompt-files and --prompt-bytes must be >= 1")
+        if args.mtp_k is not None and min(args.mtp_k) < 1:
+            p.error("--mtp-k: every draft length must be >= 1")
         try:
-            held_out_prompts(demo_paths(args.model, args.draft)[2], args.prompt_files, args.prompt_bytes)
+            target, _, manifest = demo_paths(args.model, args.draft)
+            held_out_prompts(manifest, args.prompt_files, args.prompt_bytes)
         except ValueError as exc:
             p.error(str(exc))
+        if args.mtp_k is not None:
+            why = mtp_missing(target) if args.loop else "--no-loop (the MTP head drafts in the decode loop)"
+            if why:
+                p.error(f"--mtp-k: --model {args.model} cannot draft with an MTP head: {why}")
+        else:
+            args.mtp_k = [1, 2, 3, 4, 5]
     # a trained pair's CPU run is a measurement (the issue asks for CPU numbers); random weights on a CPU are a smoke run
     resolve_out_dir(p, args, smoke=args.quick or (cpu and args.model is None))
     return args

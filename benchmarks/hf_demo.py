@@ -16,7 +16,12 @@ each after a warm-up and as the median of ``--repeats`` calls (the CLI's
    (``graphs``, ``graphs+lookup``, ``graphs+draft``). (2)-(5) run through transformers' own
    decoding loop (``decode_loop=False``);
 6. unless ``--no-loop``: (2)-(4) through ssm-spec's decode loop (``loop``, ``loop+lookup``,
-   ``loop+draft``; each round captured as one CUDA graph on CUDA unless ``--no-graphs``).
+   ``loop+draft``; each round captured as one CUDA graph on CUDA unless ``--no-graphs``), and
+   where the target's checkpoint holds an MTP head (``mtp.*``, ``scripts/train_demo_mtp.py``)
+   ``loop+mtp k=K``: ``generate(use_mtp=True, num_assistant_tokens=K)`` for each ``--mtp-k``;
+   the summary's ``loop+mtp`` is the fastest K's (``"k"`` names it), and the results' ``mtp``
+   section has every K's tokens/s, its ratio to ``loop`` and its acceptance per draft position
+   (or why the runs were skipped). ``--loop-only`` leaves (2)-(5) out.
 
 Reported: tokens/s, acceptance (mean accepted length, per-position rates, from the
 last call's :func:`~ssm_spec.hf.acceptance_stats`) and whether the tokens equal (1)'s; where they do not, the first new
@@ -120,6 +125,38 @@ def held_out_prompts(manifest: dict, files: int, prompt_bytes: int, root: Path |
     return prompts
 
 
+def mtp_missing(target_dir: Path) -> str | None:
+    """Why the checkpoint at ``target_dir`` has no MTP head to draft with (no MTP layer count in
+    its config, no ``mtp.*`` tensors), or ``None`` when it has one (names checked, not shapes:
+    a head that does not load fails its run)."""
+    from transformers import AutoConfig
+
+    from ssm_spec.hf.mtp import config_layer_count, mtp_tensor_files
+
+    try:
+        config_layer_count(AutoConfig.from_pretrained(target_dir, local_files_only=True))
+        where, files = mtp_tensor_files(target_dir)
+    except ValueError as exc:
+        return str(exc)
+    return None if files else f"no mtp.* tensors in {recorded_path(Path(where))}"
+
+
+def mtp_section(summary: dict, ks: list[int]) -> dict:
+    """The ``mtp`` section of the results from the ``loop+mtp k=K`` rows of ``summary`` (which
+    gains ``loop+mtp``: the fastest K's row with ``"k"``): per K the median tokens/s, its ratio
+    to ``loop``'s, the mean accepted length and the acceptance per draft position."""
+    loop = summary["loop"]["tokens_per_s_median"]
+    by_k = {}
+    for k in ks:
+        s = summary[f"loop+mtp k={k}"]
+        by_k[str(k)] = {"tokens_per_s_median": s["tokens_per_s_median"], "over_loop": s["tokens_per_s_median"] / loop,
+                        "mean_accepted_length_mean": s.get("mean_accepted_length_mean"),
+                        "position_rates_mean": s.get("position_rates_mean"), "tokens_equal_hf": s["tokens_equal_hf"]}
+    best = max(ks, key=lambda k: by_k[str(k)]["tokens_per_s_median"])
+    summary["loop+mtp"] = {**summary[f"loop+mtp k={best}"], "k": best}
+    return {"k": list(ks), "best_k": best, "loop_mtp_over_loop": by_k[str(best)]["over_loop"], "by_k": by_k}
+
+
 def _args(ns, draft: str) -> Namespace:
     """The CLI's generate arguments for :func:`timed_generate` and :func:`load_draft`."""
     return Namespace(max_new_tokens=ns.new_tokens, do_sample=False, temperature=None, warmup=ns.warmup_tokens,
@@ -190,8 +227,13 @@ def run_demo(ns) -> dict:
     # (run prefix, decode loop, CUDA graphs): transformers' loop eager and graphed, then ssm-spec's
     # decode loop (graphed on CUDA with --graphs)
     cuda = device.type == "cuda"
-    modes = [("", False, False)] + ([("graphs", False, True)] if ns.graphs and cuda else [])
+    modes = [] if getattr(ns, "loop_only", False) else (
+        [("", False, False)] + ([("graphs", False, True)] if ns.graphs and cuda else []))
     modes += [("loop", True, bool(ns.graphs and cuda))] if ns.loop else []
+    no_mtp = mtp_missing(target_dir) if ns.loop else "--no-loop (the MTP head drafts in the decode loop)"
+    mtp_ks = [] if no_mtp else list(getattr(ns, "mtp_k", None) or [])
+    if no_mtp:
+        print(f"loop+mtp: skipped: {no_mtp}", flush=True)
     rows = []
     for i, (p, x) in enumerate(zip(prompts, ids)):
         rows.append({"file": p["file"], "kind": p["kind"], "prompt_tokens": x.shape[1],
@@ -200,8 +242,11 @@ def run_demo(ns) -> dict:
     for prefix, loop, graphs in modes:
         apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs)
         for i, x in enumerate(ids):
-            for name, spec in (("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
-                               ("ours+draft", dict(assistant_model=draft))):
+            runs = [("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
+                    ("ours+draft", dict(assistant_model=draft))]
+            if loop:
+                runs += [(f"ours+mtp k={k}", dict(use_mtp=True, num_assistant_tokens=k)) for k in mtp_ks]
+            for name, spec in runs:
                 key = name.replace("ours", prefix) if prefix else name
                 r = timed_generate(target, x, args, desc=key, speculative=spec)
                 entry = {"tokens_per_s": r.tokens_per_s, "times_s": list(r.times),
@@ -214,9 +259,11 @@ def run_demo(ns) -> dict:
                                  position_rates=list(r.stats.position_rates))
                 rows[i]["runs"][key] = entry
     summary = summarize_runs(rows)
+    mtp = mtp_section(summary, mtp_ks) if mtp_ks else {"skipped": no_mtp or "--mtp-k names no k"}
     return {"model": recorded_path(target_dir), "draft": recorded_path(draft_dir), "dtype": ns.dtype, "device": str(device),
             "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens, "repeats": ns.repeats,
-            "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary}
+            "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary,
+            "mtp": mtp}
 
 
 def print_demo(res: dict) -> None:
@@ -230,6 +277,13 @@ def print_demo(res: dict) -> None:
         print(f"{name:<16} | {s['tokens_per_s_median']:>14.1f} | {s.get('speedup_over_hf', 1.0):>5.2f}x | "
               f"{s.get('mean_accepted_length_mean', float('nan')):>14.2f} | "
               f"{equal:>5} | {rates}")
+    mtp = res.get("mtp") or {}
+    if "best_k" in mtp:
+        print(f"loop+mtp: best k={mtp['best_k']}, {mtp['loop_mtp_over_loop']:.2f}x loop; by k: "
+              + ", ".join(f"{k}: {v['tokens_per_s_median']:.1f} tok/s ({v['over_loop']:.2f}x)"
+                          for k, v in mtp["by_k"].items()))
+    elif mtp.get("skipped"):
+        print(f"loop+mtp: skipped ({mtp['skipped']})")
     for i, p in enumerate(res["prompts"]):
         for name, r in p["runs"].items():
             if name != "hf" and not r["tokens_equal_hf"] and "top1_minus_top2" in r:

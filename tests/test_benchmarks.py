@@ -261,6 +261,14 @@ def _saved_pair(root: Path, *, draft=True, manifest=True) -> Path:
     return root
 
 
+def _qwen3_5_config(root: Path) -> Path:
+    """``root``'s target given a tiny Qwen3.5 config (no MTP layer count)."""
+    from ssm_spec.hf.tiny import tiny_config
+
+    tiny_config("qwen3_5").save_pretrained(root / "target")
+    return root
+
+
 @pytest.mark.parametrize("case, words", [
     ("missing", ["--model", "no such directory"]),
     ("run dir", ["training run's output directory", "target"]),
@@ -268,6 +276,9 @@ def _saved_pair(root: Path, *, draft=True, manifest=True) -> Path:
     ("no manifest", ["no training manifest", "demo.json"]),
     ("draft without model", ["--draft needs --model"]),
     ("no prompt files", ["--prompt-files"]),
+    ("mtp-k without model", ["--mtp-k and --loop-only need --model"]),
+    ("mtp-k 0", ["--mtp-k", ">= 1"]),
+    ("no mtp head", ["--mtp-k", "cannot draft with an MTP head", "mtp_num_hidden_layers"]),
 ])
 def test_bench_hf_generate_model_is_checked_before_anything_loads(tmp_path, capsys, case, words):
     """``--model PATH`` that is not a training run's target with its draft and ``demo.json``, or
@@ -278,6 +289,9 @@ def test_bench_hf_generate_model_is_checked_before_anything_loads(tmp_path, caps
             "no manifest": lambda: ["--model", str(_saved_pair(tmp_path, manifest=False) / "target")],
             "draft without model": lambda: ["--draft", str(tmp_path)],
             "no prompt files": lambda: ["--model", str(_saved_pair(tmp_path) / "target"), "--prompt-files", "0"],
+            "mtp-k without model": lambda: ["--mtp-k", "3"],
+            "mtp-k 0": lambda: ["--model", str(_saved_pair(tmp_path) / "target"), "--mtp-k", "0"],
+            "no mtp head": lambda: ["--model", str(_qwen3_5_config(_saved_pair(tmp_path)) / "target"), "--mtp-k", "2"],
             }[case]()
     line = _bench_hf_parse(argv, capsys)
     assert ": error: " in line, line
