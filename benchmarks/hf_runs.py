@@ -166,6 +166,19 @@ def model_config(args) -> tuple[dict, dict]:
     return cfg, dict(std=args.std, embed_std=args.embed_std, residual_scale=args.residual_scale)
 
 
+def device_model(args, device):
+    """The model of the width options drawn directly on ``device`` (seconds on a GPU, where the
+    CPU draw of ``run`` takes a minute at 3.6 B; its weights differ from the CPU draw's), with a
+    line saying what was built."""
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    cfg, init = model_config(args)
+    t0 = time.perf_counter()
+    model = tiny_model(args.kind, seed=args.seed, dtype=dtype, device=device, **init, **cfg)
+    print(f"model {args.kind} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params {args.dtype}, "
+          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    return model
+
+
 def run(args) -> dict:
     """Build the model of ``args`` and take every measurement of ``bench_hf_generate.py``'s list
     (transformers' runs before the in-place conversion, ours after it); returns the results dict."""

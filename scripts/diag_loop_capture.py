@@ -56,18 +56,13 @@ def syncs_of(fn) -> collections.Counter:
 def main(argv=None) -> int:
     from bench_hf_generate import parse_args
     from hf_loop_runs import batch_prompt
-    from hf_runs import SENTENCE, model_config
+    from hf_runs import SENTENCE, device_model
 
-    from ssm_spec.hf import ByteTokenizer, apply_recoverssm, tiny_model
+    from ssm_spec.hf import ByteTokenizer, apply_recoverssm
 
     args = parse_args(argv)
     device = torch.device(args.device or "cuda")
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
-    cfg, init = model_config(args)
-    t0 = time.perf_counter()
-    model = tiny_model(args.kind, seed=args.seed, dtype=dtype, device=device, **init, **cfg)
-    print(f"model {args.kind} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params {args.dtype}, "
-          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    model = device_model(args, device)
     apply_recoverssm(model, decode_loop=True, cuda_graphs=True)
     tok = ByteTokenizer()
     new = args.new_tokens or 32

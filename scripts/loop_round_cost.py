@@ -83,21 +83,16 @@ def main(argv=None) -> int:
     from bench_hf_generate import parse_args
     from forward_timing import loop_forward_gpu_ms
     from hf_loop_runs import batch_prompt
-    from hf_runs import SENTENCE, model_config
+    from hf_runs import SENTENCE, device_model
 
-    from ssm_spec.hf import ByteTokenizer, apply_recoverssm, tiny_model
+    from ssm_spec.hf import ByteTokenizer, apply_recoverssm
 
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--compile", action="store_true", help="also the loop with compile=True")
     mine, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     device = torch.device("cuda")
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
-    cfg, init = model_config(args)
-    t0 = time.perf_counter()
-    model = tiny_model(args.kind, seed=args.seed, dtype=dtype, device=device, **init, **cfg)
-    print(f"model {args.kind} {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params {args.dtype}, "
-          f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    model = device_model(args, device)
     tok = ByteTokenizer()
     new = args.new_tokens or 128
     ids = batch_prompt(tok, SENTENCE, args.prompt_repeats or 3, 1, device)
