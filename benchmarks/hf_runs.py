@@ -170,6 +170,8 @@ def device_model(args, device):
     """The model of the width options drawn directly on ``device`` (seconds on a GPU, where the
     CPU draw of ``run`` takes a minute at 3.6 B; its weights differ from the CPU draw's), with a
     line saying what was built."""
+    from ssm_spec.hf import tiny_model
+
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
     cfg, init = model_config(args)
     t0 = time.perf_counter()
