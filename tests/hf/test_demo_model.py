@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,8 +40,15 @@ def _manifest() -> dict:
     return json.loads((demo_checkpoint("target").parent / "demo.json").read_text())
 
 
+def _has_mtp_head() -> bool:
+    """Whether the packaged target carries an MTP head (scripts/train_demo_mtp.py --install)."""
+    return "mtp_num_hidden_layers" in json.loads((demo_checkpoint("target") / "config.json").read_text())
+
+
 def test_the_pair_ships_in_bf16_under_16_mb_with_its_manifest():
-    total = 0
+    """The pair at most 16 MB (the target's MTP head, where it has one, apart: at most 2 MB more),
+    every tensor bf16."""
+    total = mtp = 0
     for name in DEMO_NAMES:
         path = demo_checkpoint(name)
         config = json.loads((path / "config.json").read_text())
@@ -52,7 +60,9 @@ def test_the_pair_ships_in_bf16_under_16_mb_with_its_manifest():
 
         with safe_open(str(weights[0]), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}, name
-    assert total <= 16e6
+            mtp += sum(2 * math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k.startswith("mtp."))
+    assert total - mtp <= 16e6 and mtp <= 2e6, (total, mtp)
+    assert (mtp > 0) == _has_mtp_head()
     m = _manifest()
     assert m["corpus"]["license"].startswith("Python Software Foundation License")
     assert m["corpus"]["held_out_files"] and m["corpus"]["train_files"]
@@ -85,10 +95,13 @@ def _generate(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "demo"])
+@pytest.mark.parametrize("draft", ["prompt-lookup", "demo", "mtp"])
 def test_generate_check_on_the_packaged_pair_equals_plain_greedy(draft):
     """The default command's model (no --model), offline: 512 new tokens equal plain greedy's
-    with prompt lookup and with the trained draft, and the drafts are accepted."""
+    with prompt lookup, with the trained draft and with the target's trained MTP head (where this
+    build carries it), and the drafts are accepted."""
+    if draft == "mtp" and not _has_mtp_head():
+        pytest.skip("the packaged target carries no MTP head (scripts/train_demo_mtp.py --install)")
     proc = _generate("--check", "--max-new-tokens", 512, "--warmup", 0, "--repeats", 1, "--device", "cpu",
                      "--draft", draft, "--quiet")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -98,3 +111,17 @@ def test_generate_check_on_the_packaged_pair_equals_plain_greedy(draft):
     assert float(_row(out, "mean accepted length").split()[0]) > 1.5, out  # a trained pair accepts drafts
     text = proc.stdout.split("\n\nmodel")[0]
     assert "def " in text or "return" in text or "self" in text, text[:400]  # Python-like text
+
+
+def test_the_mtp_head_ships_with_its_training_record():
+    """Where the target carries an MTP head: ``mtp.json`` beside the pair (the command, the
+    acceptance per draft position on held-out prompts), and the head loads."""
+    if not _has_mtp_head():
+        pytest.skip("the packaged target carries no MTP head (scripts/train_demo_mtp.py --install)")
+    from ssm_spec.hf.mtp import load_mtp_head
+
+    record = json.loads((demo_checkpoint("target").parent / "mtp.json").read_text())
+    assert record["command"].startswith("train_demo_mtp.py") and not record["smoke"]
+    assert len(record["held_out"]["position_rates"]) == 5
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_checkpoint("target"), dtype=torch.float32)
+    assert load_mtp_head(model).num_layers == 1
