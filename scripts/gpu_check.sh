@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [diag-loop] [round-cost] [tp]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [train-mtp] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [diag-loop] [round-cost] [tp]     (default: tests bench)
 #   GPU_TESTS="tests/hf tests/ops/gdn/test_ops.py ..." limits the tests part to those folders and files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b|tests/c/d.py" (files or folders) runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
@@ -169,6 +169,21 @@ for part in $PARTS; do
       python3 scripts/train_demo_model.py --out "$OUT/demo" > "$OUT/train_demo.log" 2>&1
       tar -C "$OUT" -cf "$OUT/demo.tar" demo && rm -rf "$OUT/demo"
       summary+=("train-demo: $(grep -E "held-out bits per byte" "$OUT/train_demo.log")")
+      ;;
+    train-mtp)  # the demo target's MTP head (scripts/train_demo_mtp.py, TRAIN_MTP_ARGS), installed into this
+      # machine's copy of the assets, then the demo bench's decode-loop runs with loop+mtp k 1..5 on it
+      # (BENCH_MTP_ARGS); $OUT/demo_mtp.tar holds what --install needs here (target/model.safetensors,
+      # target/config.json, mtp.json): untar it into a folder and run train_demo_mtp.py --install on that folder
+      python3 scripts/train_demo_mtp.py --out "$OUT/demo_mtp" ${TRAIN_MTP_ARGS:-} > "$OUT/train_mtp.log" 2>&1 \
+        && python3 scripts/train_demo_mtp.py --install "$OUT/demo_mtp" >> "$OUT/train_mtp.log" 2>&1
+      rc=$?
+      summary+=("train-mtp [$([ $rc -eq 0 ] && echo ok || echo "FAILED rc $rc")]: $(grep -E "^held-out acceptance" "$OUT/train_mtp.log")")
+      if [ $rc -eq 0 ]; then
+        python3 benchmarks/bench_hf_generate.py --model demo --loop-only --out-dir "$OUT" ${BENCH_MTP_ARGS:-} 2>&1 | tee "$OUT/bench_mtp.log"
+        summary+=("bench mtp: $(grep -E "^(loop|loop\+mtp)( |:)" "$OUT/bench_mtp.log" | tr -s ' ' | tr '\n' ';')")
+        tar -C "$OUT/demo_mtp" -cf "$OUT/demo_mtp.tar" target/model.safetensors target/config.json mtp.json
+      fi
+      rm -rf "$OUT/demo_mtp"
       ;;
     ncu)  # hardware counters of one launch per kernel: NCU="kernel:BV:warps ..." (or kernel:- for its table's tile)
       for spec in ${NCU:-verify:- commit:- snapshot:- folded:-}; do
