@@ -8,9 +8,17 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+# One intra-op thread per test process (and, through the environment, per subprocess the tests
+# start), unless the caller chose: the tiny models' matmuls are microseconds, so a second thread
+# gains nothing on an idle 2-core machine (a 256-token MoE generate test: 15 s either way), while
+# with the second core taken (another job, or the other xdist worker of .ci/run's `-n 2`) torch's
+# two threads made the same tests 10x slower (268 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
