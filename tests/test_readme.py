@@ -87,7 +87,7 @@ def test_readme_test_command_is_what_ci_runs():
     ci = "\n".join(commands)
     bash = [code.strip() for lang, _, code in README_BLOCKS if lang == "bash"]
     assert ci in bash, f".ci/run runs {ci!r}; the README's shell blocks are {bash}"
-    assert commands[0].endswith("&& .venv/bin/python -m pytest -q")
+    assert commands[0].endswith("&& .venv/bin/python -m pytest -q -n 2 --dist worksteal")
     ci = commands[0]
     # the main job's command sets up the same way (same venv, same torch pin), extras aside
     setup = ci.split(" -e ")[0]
