@@ -86,6 +86,7 @@ def test_cuda_graphs_path_on_cpu_with_self_draft():
     assert _row(proc.stdout, "acceptance rate").startswith("100.0%")
 
 
+@pytest.mark.hf_one_release  # checked before transformers is imported
 def test_missing_model_path_exits_2(tmp_path):
     proc = _run("--model", tmp_path / "nope", "--max-new-tokens", 4)
     assert proc.returncode == 2
@@ -93,6 +94,7 @@ def test_missing_model_path_exits_2(tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.hf_one_release  # the report's own rows; the CLI's runs on 5.25: the --check tests
 def test_output_reports_three_timings_and_the_random_weights_note():
     """The table has the three runs' tokens/s (median of --repeats calls), speed-ups that say
     which two runs they divide (and agree with the rows), and the torch thread count; the
@@ -349,6 +351,7 @@ def test_a_training_runs_output_dir_is_pointed_at_its_member(capsys, no_model_lo
     assert len(lines) == 1 and str(tmp_path / member) in lines[0] and f"SSM_SPEC_DEMO_DIR={tmp_path}" in lines[0]
 
 
+@pytest.mark.hf_one_release  # the command's handling of a closed stdout
 def test_a_reader_that_goes_away_ends_the_command_quietly():
     """``ssm-spec generate | head``: a closed stdout is a quiet exit status 1, not a traceback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -394,6 +397,7 @@ def test_the_options_and_their_checks_import_neither_torch_nor_transformers(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.hf_one_release  # the command's thread count and progress bars
 @pytest.mark.parametrize("threads, omp, want", [(None, None, 1), ("2", None, 2), (None, "2", 2)])
 def test_threads_default_to_one_on_cpu_and_bars_stay_out_of_a_redirected_stderr(threads, omp, want):
     """No --threads on a CPU device: 1 intra-op thread (the tiny and demo models run as fast on one,

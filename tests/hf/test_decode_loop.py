@@ -322,6 +322,7 @@ def _chi_square_p(counts: dict, law: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(o) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
+@pytest.mark.hf_one_release  # the rule's law on 5.25: test_mtp.py's sampling test (the same acceptance)
 def test_speculative_sampling_is_distributed_as_plain_sampling():
     """The joint law of the first three new tokens under top-3 sampling, computed exactly from
     the model, against the loop's draws without drafts, with prompt lookup and with an assistant

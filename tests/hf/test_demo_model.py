@@ -95,7 +95,9 @@ def _generate(*args):
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "demo", "mtp"])
+# prompt lookup through the CLI on the second release: test_cli_generate.py's --check runs; the pair loads there
+# with its trained draft
+@pytest.mark.parametrize("draft", [pytest.param("prompt-lookup", marks=pytest.mark.hf_one_release), "demo", "mtp"])
 def test_generate_check_on_the_packaged_pair_equals_plain_greedy(draft):
     """The default command's model (no --model), offline: 512 new tokens equal plain greedy's
     with prompt lookup, with the trained draft and with the target's trained MTP head (where this
