@@ -214,15 +214,15 @@ def test_saved_tiny_checkpoint_without_tokenizer(tmp_path):
     assert RANDOM_WEIGHTS_NOTE not in proc.stdout  # a checkpoint's text is its own business
 
 
-def test_not_a_gdn_model_exits_2(tmp_path):
-    """A Llama checkpoint directory is refused from its config, before any weight loads."""
+def test_not_a_gdn_model_exits_2(tmp_path, capsys, no_model_loads):
+    """A Llama checkpoint directory is refused from its config, before any weight loads (in this
+    process: the config check comes before anything process-wide is set)."""
     transformers = pytest.importorskip("transformers")
     transformers.LlamaConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the config refuses first
-    proc = _run("--model", tmp_path)
-    assert proc.returncode == 2
-    assert "not a Qwen3-Next / Qwen3.5 model" in proc.stderr
+    assert cli.main(["generate", "--model", str(tmp_path)]) == 2
+    assert "not a Qwen3-Next / Qwen3.5 model" in capsys.readouterr().err
 
 
 def test_unknown_vocab_without_tokenizer_exits_2(tmp_path):
