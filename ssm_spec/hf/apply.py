@@ -16,6 +16,7 @@ from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
 from .config import DEFAULT_NUM_ASSISTANT_TOKENS, RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
 from .experts import capture_safe_experts
+from .fused_linear import fuse_shared_input_linears, unfuse_shared_input_linears
 from .graphed import SUPPORTED_ATTENTION
 from .mtp.calls import check_mtp_call, load_head_for_apply
 from .placement import carry_hook, placement_problem
@@ -64,7 +65,8 @@ def draft_length(generation_config, kwargs) -> int:
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
                      cuda_graphs: bool | None = None, mode: str | None = None, decode_loop: bool | None = None,
-                     compile: bool | None = None, tp_group=None, mtp=None) -> nn.Module:
+                     compile: bool | None = None, fused_projections: bool | None = None, tp_group=None,
+                     mtp=None) -> nn.Module:
     """Convert a Qwen3-Next, Qwen3.5 or Qwen3.5-MoE model in place and return it.
 
     Every Hugging Face GatedDeltaNet (``linear_attn`` of a decoder layer) is replaced by a
@@ -119,6 +121,12 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         compile: ``True``: the decode loop's verify forwards run through
             ``torch.compile(fullgraph=True)`` (inductor; each new shape compiles on its first
             call); ``False`` (the default) runs them eagerly. ``None`` keeps the current setting.
+        fused_projections: ``True`` (the default): sibling linears that read the same input
+            run as one GEMM (:func:`~ssm_spec.hf.fused_linear.fuse_shared_input_linears`:
+            GDN's input projections, attention's q/k/v, every MLP's gate/up, the shared
+            expert's; the parameters become views of one concatenated weight, keeping their
+            names and values, so ``state_dict`` and ``save_pretrained`` are unchanged).
+            ``False`` gives each its own weight again. ``None`` keeps the current setting.
         tp_group: a ``torch.distributed`` process group (first conversion only): every GDN
             layer keeps this rank's share of its heads (copies of its slices of the full
             layer's weights; ``RecoverGatedDeltaNet.shard_``), its states hold only those, and
@@ -156,7 +164,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         config = base.replace(state_dtype=state_dtype, mode=mode,
                               cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
                               decode_loop=None if decode_loop is None else bool(decode_loop),
-                              compile=None if compile is None else bool(compile))
+                              compile=None if compile is None else bool(compile),
+                              fused_projections=None if fused_projections is None else bool(fused_projections))
     except ValueError as exc:
         raise ValueError(str(exc).replace("RecoverSSMConfig:", "apply_recoverssm:", 1)) from None
     if cuda_graphs:
@@ -171,6 +180,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
                              "head); shard on the first conversion: apply_recoverssm(unconverted_model, tp_group=...)")
         if config != model._recoverssm.config:
             model._recoverssm.loop = model._recoverssm.loop_key = None  # built for the old settings
+        if config.fused_projections != model._recoverssm.config.fused_projections:
+            model._recoverssm.kept.cache = None  # its graphs read the old weights
+            (fuse_shared_input_linears if config.fused_projections else unfuse_shared_input_linears)(model)
         model._recoverssm.config = config
         if mtp is not None:
             model._recoverssm.mtp = head
@@ -191,6 +203,8 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     if not found:
         raise ValueError(f"apply_recoverssm: {type(model).__name__} has no Qwen3-Next / Qwen3.5 GatedDeltaNet "
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
+    if config.fused_projections:
+        fuse_shared_input_linears(model)
     model._recoverssm = RecoverSSMRuntime(config, cache_kwarg(model), mtp=head)
     capture_safe_experts(model, config.cuda_graphs)
     model._is_stateful = False  # transformers' guard up to 5.24: our cache rolls the recurrent state back
@@ -411,8 +425,8 @@ def _forward(self, *args, **kwargs):
     key = self._recoverssm.cache_kwarg
     cache = kwargs.get(key, kwargs.get("past_key_values"))
     use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(self.config, "use_cache", False)
+    if use_cache is None:  # the text model decides (a vision-language config keeps it in text_config)
+        use_cache = getattr(self.config.get_text_config(), "use_cache", False)
     if isinstance(cache, RecoverSSMCache) and cache.graphed is not None:
         if not use_cache:  # a forward that must not touch the cache: without it, as transformers runs it
             kwargs = {k: v for k, v in kwargs.items() if k not in (key, "past_key_values")}

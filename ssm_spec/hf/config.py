@@ -41,6 +41,10 @@ class RecoverSSMConfig:
         compile: the decode loop's verify forwards run through ``torch.compile(fullgraph=True)``
             (the first call of each shape compiles; what ``cuda_graphs`` captures then is the
             compiled forward).
+        fused_projections: linears that read the same input run as one GEMM (GDN's input
+            projections, attention's q/k/v, each MLP's gate/up;
+            :mod:`ssm_spec.hf.fused_linear`); parameter names, values and ``save_pretrained``
+            unchanged.
 
     New switches are added as fields with defaults, so configs built by keyword stay valid;
     :meth:`replace` gives an updated copy (validated again).
@@ -54,11 +58,12 @@ class RecoverSSMConfig:
     cuda_graphs: bool = False
     decode_loop: bool = True
     compile: bool = False
+    fused_projections: bool = True
 
     def __post_init__(self):
         check_state_dtype("RecoverSSMConfig", self.state_dtype)
         check_mode("RecoverSSMConfig", self.mode)
-        for name in ("cuda_graphs", "decode_loop", "compile"):
+        for name in ("cuda_graphs", "decode_loop", "compile", "fused_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RecoverSSMConfig: {name}: got {getattr(self, name)!r}; expected True or False")
 
