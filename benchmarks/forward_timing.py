@@ -10,11 +10,16 @@ bandwidth measured in the same run.
 
 from __future__ import annotations
 
+import re
 import statistics
+import time
 
 import torch
 
-__all__ = ["copy_bandwidth", "weight_read_floor_ms", "loop_forward_gpu_ms"]
+__all__ = ["copy_bandwidth", "weight_read_floor_ms", "loop_forward_gpu_ms", "GEMM_KERNEL"]
+
+#: cuBLAS / CUTLASS GEMM and GEMV kernel names (Hopper's ``nvjet`` included).
+GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 31, reps: int = 10) -> float:
@@ -48,8 +53,10 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
     """Kernel time of one target verify forward of ``width`` tokens per row (``width=1``: a
     decode step) through the decode loop's forward (:class:`ssm_spec.hf.loop.forward.LoopModel`),
     after a prefill of ``prompt_len`` tokens: ``{"ms": median over reps, "kernels": kernels per
-    forward}``. Each forward verifies from the same state (nothing is committed); ``compile``:
-    through ``torch.compile`` as the loop's ``compile=True`` runs it."""
+    forward, "gemm_ms" / "gemm_kernels": the cuBLAS GEMM kernels among them, "first_call_s": the
+    first two forwards' wall time (compiling with ``compile``)}``. Each forward verifies from the
+    same state (nothing is committed); ``compile``: through ``torch.compile`` as the loop's
+    ``compile=True`` runs it."""
     from ssm_spec.hf import recoverssm_config
     from ssm_spec.hf.loop.forward import LoopModel
     from ssm_spec.hf.loop.rows import Rows
@@ -70,16 +77,24 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
         columns = rows.window_columns(width)
         tokens = rows.window_tokens(columns)
         active = ~rows.finished
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         for _ in range(2):  # compile, autotune
             target.verify(tokens, columns, rows, active)
         torch.cuda.synchronize(device)
-        ms, kernels = [], []
+        first = time.perf_counter() - t0
+        ms, kernels, gemm_ms, gemm_kernels = [], [], [], []
         for _ in range(reps):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 target.verify(tokens, columns, rows, active)
                 torch.cuda.synchronize(device)
             events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            gemms = [e for e in events if GEMM_KERNEL.search(e.name)]
             ms.append(sum(e.time_range.elapsed_us() for e in events) / 1e3)
             kernels.append(len(events))
+            gemm_ms.append(sum(e.time_range.elapsed_us() for e in gemms) / 1e3)
+            gemm_kernels.append(len(gemms))
     del target
-    return {"ms": statistics.median(ms), "kernels": int(statistics.median(kernels)), "ms_all": ms}
+    return {"ms": statistics.median(ms), "kernels": int(statistics.median(kernels)), "ms_all": ms,
+            "gemm_ms": statistics.median(gemm_ms), "gemm_kernels": int(statistics.median(gemm_kernels)),
+            "first_call_s": first}

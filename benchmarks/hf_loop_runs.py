@@ -44,8 +44,9 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
     device = model.get_input_embeddings().weight.device
     k = args.num_draft_tokens
     graphs = bool(args.graphs and device.type == "cuda")
-    apply_recoverssm(model, decode_loop=True, cuda_graphs=graphs)
-    section = {"cuda_graphs": graphs, "num_draft_tokens": k, "by_batch": {}}
+    compiled = bool(getattr(args, "compile", False))
+    apply_recoverssm(model, decode_loop=True, cuda_graphs=graphs, compile=compiled)
+    section = {"cuda_graphs": graphs, "compile": compiled, "num_draft_tokens": k, "by_batch": {}}
     for B in args.batch:
         ids = batch_prompt(tok, sentence, args.prompt_repeats, B, device)
         suffix = "" if B == 1 else f"@{B}"
@@ -70,13 +71,15 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
         with phases("loop forwards"):
             bandwidth = copy_bandwidth(device)
             floor_ms, nbytes = weight_read_floor_ms(model, bandwidth)
-            decode = loop_forward_gpu_ms(model, 1)
+            decode = loop_forward_gpu_ms(model, 1, compile=compiled)
             widths = sorted({4, k + 1})  # W = 4 and k + 1: the verify widths of k = 3 and of this run
-            by_width = {W: loop_forward_gpu_ms(model, W) for W in widths}
+            by_width = {W: loop_forward_gpu_ms(model, W, compile=compiled) for W in widths}
             verify = by_width[k + 1]
         section.update(copy_bandwidth_GBps=bandwidth / 1e9, param_bytes=nbytes, weight_read_floor_ms=floor_ms,
                        gpu_ms_per_decode_forward=decode["ms"], gpu_ms_per_verify_forward=verify["ms"],
                        kernels_per_decode_forward=decode["kernels"], kernels_per_verify_forward=verify["kernels"],
+                       gemm_ms_per_decode_forward=decode["gemm_ms"], gemm_kernels_per_decode_forward=decode["gemm_kernels"],
+                       first_decode_forward_s=decode["first_call_s"],
                        gpu_forward_over_floor=decode["ms"] / floor_ms,
                        verify_over_decode_gpu=verify["ms"] / decode["ms"],
                        gpu_ms_per_verify_forward_by_width={str(W): r["ms"] for W, r in by_width.items()},

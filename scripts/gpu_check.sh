@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one call of the device tool: tests on CUDA, then benchmarks.
-#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [train-mtp] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [diag-loop] [round-cost] [tp]     (default: tests bench)
+#   scripts/gpu_check.sh [tests] [bench] [bench-bf16] [bench-hf] [bench-demo] [bench-step] [tune] [tune-fast] [fast] [train-demo] [train-mtp] [ncu] [sanitize] [graphs] [profile-hf] [diag-fla] [diag-loop] [forward-cost] [round-cost] [tp]     (default: tests bench)
 #   GPU_TESTS="tests/hf tests/ops/gdn/test_ops.py ..." limits the tests part to those folders and files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b|tests/c/d.py" (files or folders) runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
@@ -117,6 +117,11 @@ for part in $PARTS; do
     diag-loop)  # does the decode loop's round capture on this width, and if not, every sync in it (DIAG_LOOP_ARGS: bench_hf_generate's width flags)
       python3 scripts/diag_loop_capture.py ${DIAG_LOOP_ARGS:-} 2>&1 | tee "$OUT/diag_loop.log"
       summary+=("diag loop: $(tail -n 1 "$OUT/diag_loop.log")")
+      ;;
+    forward-cost)  # decode / verify forwards: separate vs fused projections, eager vs compiled; GEMV backends (FORWARD_COST_ARGS: bench_hf_generate's width flags)
+      python3 scripts/forward_cost.py ${FORWARD_COST_ARGS:-} --out "$OUT/forward_cost.json" 2>&1 | tee "$OUT/forward_cost.log"
+      python3 benchmarks/bench_gemv.py --out-dir "$OUT" ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
+      summary+=("forward cost: $OUT/forward_cost.log; gemv: $OUT/gemv.log")
       ;;
     round-cost)  # the decode loop's time part by part: prefill, captured rounds, the rest (ROUND_COST_ARGS: bench_hf_generate's width flags, --compile)
       python3 scripts/loop_round_cost.py ${ROUND_COST_ARGS:-} 2>&1 | tee "$OUT/round_cost.log"
