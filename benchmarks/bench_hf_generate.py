@@ -245,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 p.error(f"--mtp-k: --model {args.model} cannot draft with an MTP head: {why}")
         else:
             args.mtp_k = [1, 2, 3, 4, 5]
-    # a trained pair's CPU run is a measurement (the issue asks for CPU numbers); random weights on a CPU are a smoke run
+    # a trained pair's CPU run is a measurement (the demo pair's committed CPU numbers); random weights on a CPU are a smoke run
     resolve_out_dir(p, args, smoke=args.quick or (cpu and args.model is None))
     return args
 

@@ -1,7 +1,7 @@
 """The native spec-decode GDN kernel engines ship today, as a benchmark baseline.
 
-Written from the structure the kernels issue describes (vLLM's fused recurrent GDN with spec
-decoding; no code taken from it): one program per 8-wide slice of V and per (row, value head),
+Written from the structure of vLLM's fused recurrent GDN with spec decoding (no code taken
+from it): one program per 8-wide slice of V and per (row, value head),
 one warp, all ``K`` key rows of the slice in the program. Each row reads its checkpoint from
 the slot of its last accepted token (``state_indices[b, num_accepted_tokens[b] - 1]``) and,
 after every window token ``t``, stores the whole state in place into that token's own slot

@@ -1,6 +1,6 @@
 """Compile the fast-mode kernel for Hopper without a GPU and count its SASS, per loop.
 
-Kernel work here happens between device sessions, so a change's instruction count is the one
+Kernel changes are mostly made away from the GPU, so a change's instruction count is the one
 number it can be judged by before the H200 times it (docs/perf-notes.md: "prediction" before
 "outcome"). Triton's own compiler (its bundled ``ptxas`` and ``cuobjdump``) builds
 ``gdn_closed_form_kernel`` for ``sm_90`` with the specialisation a real launch gets on contiguous

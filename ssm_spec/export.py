@@ -1,4 +1,4 @@
-"""The verify step as a ``torch.export`` program (the export / Torch-TensorRT issue).
+"""The verify step as a ``torch.export`` program (for torch.export and Torch-TensorRT).
 
 The modules' engine forward takes a metadata object and a pool; an exported program needs
 tensors in and tensors out. :class:`VerifyForward` is the verify path of a stack of

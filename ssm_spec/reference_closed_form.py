@@ -1,4 +1,4 @@
-"""Closed-form ("chunked") GDN window: the oracle twin of the fast mode's verify (issue 15).
+"""Closed-form ("chunked") GDN window: the oracle twin of the fast mode's verify.
 
 The exact token loop (:func:`ssm_spec.reference.gdn_native_step`) carries the state through
 every window token. The same window can be solved from the checkpoint ``S0`` alone. With

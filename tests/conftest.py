@@ -24,7 +24,7 @@ torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_tf32 = False
 
 # tests/interpret/ runs the Triton kernels under TRITON_INTERPRET=1, in a pytest process of its
-# own (.ci/run's second command); a normal session must not import it.
+# own (.ci/run's second command); a normal test run must not import it.
 collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpret"]
 
 HAS_CUDA = torch.cuda.is_available()

@@ -222,7 +222,7 @@ def test_smoke_run_cannot_write_into_the_committed_results_by_out_dir(script, ca
 
 
 def test_trained_pair_on_the_cpu_is_a_measurement_not_a_smoke_run(capsys):
-    """``--model demo --device cpu`` (CPU numbers the demo issue asks for) may write the committed
+    """``--model demo --device cpu`` (the demo pair's CPU numbers) may write the committed
     results; the same run with ``--quick`` may not."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_hf_generate as bench

@@ -1,9 +1,9 @@
-"""The package's modules do not import each other in a circle (issue 19: ``ssm_spec.hf.adapter``
+"""The package's modules do not import each other in a circle (``ssm_spec.hf.adapter``
 and ``ssm_spec.hf.cache`` did, the cache through an import inside its constructor), and each
 of the two imports on its own in a fresh interpreter.
 
 The distribution installs one top-level package, ``ssm_spec``: the repository's ``graphs/``
-folder installs as ``ssm_spec.graphs`` (issue 19: it used to install as a top-level ``graphs``,
+folder installs as ``ssm_spec.graphs`` (it used to install as a top-level ``graphs``,
 a name that collides in site-packages)."""
 
 import ast

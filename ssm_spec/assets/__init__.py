@@ -1,4 +1,4 @@
-"""Checkpoints that ship inside the package: the demo pair (issue 20).
+"""Checkpoints that ship inside the package: the demo pair.
 
 ``demo/target`` and ``demo/draft`` are a byte-level Qwen3.5-shaped model and its draft trained by
 ``scripts/train_demo_model.py`` on the Python standard library's source (``demo/demo.json`` holds

@@ -1,4 +1,4 @@
-"""The packaged demo pair (ssm_spec/assets/demo, issue 20): what ships, its held-out bits per
+"""The packaged demo pair (ssm_spec/assets/demo): what ships, its held-out bits per
 byte, and ``ssm-spec generate --check`` on it, offline, with prompt lookup and with the trained
 draft (CPU, fp32, 512 new tokens)."""
 

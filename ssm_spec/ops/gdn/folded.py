@@ -4,7 +4,7 @@ Per row: replay the accepted tokens of the row's *previous* window from the prev
 replay record onto its checkpoint, store that state once (in the pool's dtype), then verify
 the new window from the stored value and record it. A step then moves one state read and
 one state write per row, layer and value head, the floor for any scheme that keeps a
-committed state every step (the performance issue; separate verify + commit read the state
+committed state every step (separate verify + commit read the state
 twice and write it once).
 
 It runs the verify kernel itself (:func:`~ssm_spec.ops.gdn.window.gdn_window_kernel` with its

@@ -1,5 +1,5 @@
-"""gdn_folded_verify: the previous step's commit folded into this step's verify (performance
-issue, item 4). Bit-identical to gdn_commit followed by gdn_verify."""
+"""gdn_folded_verify: the previous step's commit folded into this step's verify (one
+state read and one write per step). Bit-identical to gdn_commit followed by gdn_verify."""
 
 import pytest
 import torch
