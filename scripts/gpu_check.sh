@@ -221,7 +221,7 @@ for part in $PARTS; do
         summary+=("sanitize $tool [$([ $rc -eq 0 ] && echo ok || echo "FAILED rc $rc")]: $(grep -E "ERROR SUMMARY|sanitize_kernels:" "$OUT/sanitize_$tool.log" | tr '\n' ' ')")
       done
       ;;
-    tp)  # issue 18: tensor parallelism over NCCL, one process per GPU
+    tp)  # tensor parallelism over NCCL, one process per GPU
       ngpu=$(nvidia-smi -L | wc -l)
       sizes=""
       for n in ${TP_SIZES:-2 4}; do [ "$ngpu" -ge "$n" ] && sizes="$sizes $n"; done
