@@ -168,3 +168,74 @@ def verified_gdn(device, H=2, HV=4, K=8, V=6, S=6):
     src = i32([0, 1], device)
     _, rec = ops.gdn_verify(*inp.args(), pool, src, qsl)
     return inp, pool, qsl, src, rec
+
+
+def run_cli(argv, *, env: dict | None = None, omp_threads: str | None = "1"):
+    """``ssm-spec ARGV`` (``ssm_spec.cli.main``) in the test process, as ``python -m ssm_spec``
+    would run it: stdout and stderr captured (neither a terminal), warnings and transformers'
+    log printed to that stderr, ``env`` set for the call, and what the command sets process-wide
+    (transformers' verbosity and progress bars; torch's threads, which its ``main`` restores)
+    put back afterwards. A fresh process would start torch with ``$OMP_NUM_THREADS`` threads
+    (``omp_threads``; None: unset, torch's default of one a core, at least 2 here so that a
+    command that fails to choose shows it): the call starts with that count.
+
+    Returns an object with ``returncode``, ``stdout`` and ``stderr``, as ``subprocess.run``'s.
+    Tests of the process itself (imports, a closed stdout, the console entry) start one instead.
+    """
+    import contextlib
+    import io
+    import logging
+    import os
+    import sys
+    import warnings
+    from types import SimpleNamespace
+
+    from ssm_spec import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in [*(env or {}), "OMP_NUM_THREADS"]}
+    threads = torch.get_num_threads()
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        hf_logging = None
+    if hf_logging is not None:
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        handlers = [h for h in hf_logging._get_library_root_logger().handlers if isinstance(h, logging.StreamHandler)]
+        streams = [h.stream for h in handlers]
+    for key, value in (env or {}).items():
+        os.environ[key] = value
+    if omp_threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        torch.set_num_threads(max(2, os.cpu_count() or 1))
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp_threads
+        torch.set_num_threads(int(omp_threads))
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.resetwarnings()  # a fresh interpreter's filters: shown once per place, deprecations hidden
+            warnings.simplefilter("default")
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)  # in front of "default"
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            if hf_logging is not None:
+                for h in handlers:
+                    h.setStream(err)
+            try:
+                code = cli.main(list(map(str, argv)))
+            except SystemExit as exc:  # argparse's usage errors and --help
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        if hf_logging is not None:
+            for h, stream in zip(handlers, streams):
+                h.setStream(stream)
+            hf_logging.set_verbosity(verbosity)
+            (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(threads)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

@@ -1,9 +1,10 @@
 """``ssm-spec generate`` (ssm_spec/hf/cli_generate.py and its cli_* parts): the console script's main job.
 
-The runs go through ``python -m ssm_spec`` in a subprocess, as a user runs them (the command
-sets process-wide state: transformers' verbosity, TF32 flags). ``OMP_NUM_THREADS=1``: the tiny
-model's matmuls are microseconds, and on a busy machine torch's thread pool can make them a
-hundred times slower.
+The runs go through ``ssm_spec.cli.main`` in the test process (``tests.helpers.run_cli``: the
+output captured, what the command sets process-wide put back), which a subprocess paid 5-7 s of
+imports for; the default run, a closed stdout and the torch-free parser start ``python -m
+ssm_spec`` as a user does. ``OMP_NUM_THREADS=1``: the tiny model's matmuls are microseconds, and
+on a busy machine torch's thread pool can make them a hundred times slower.
 """
 
 import os
@@ -18,20 +19,29 @@ import torch
 from ssm_spec import cli
 from ssm_spec.hf import cli_generate, cli_loading
 from ssm_spec.hf.cli_generate import RANDOM_WEIGHTS_NOTE, ProgressStreamer, busy_note, length_warning
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args, timeout=300, omp_threads="1"):
-    """``ssm-spec generate ARGS`` in a subprocess; the tiny random model unless ARGS name a
-    ``--model`` (the default, the demo model, is tested in tests/hf/test_demo_model.py).
-    ``omp_threads``: ``$OMP_NUM_THREADS`` (None: unset, the command's own default)."""
-    env = {**os.environ, "OMP_NUM_THREADS": omp_threads, "TOKENIZERS_PARALLELISM": "false"}
-    if omp_threads is None:
-        del env["OMP_NUM_THREADS"]
+def _argv(args):
+    """``generate ARGS``, on the tiny random model unless ARGS name a ``--model`` (the default,
+    the demo model, is tested in tests/hf/test_demo_model.py)."""
     model = [] if "--model" in map(str, args) else ["--model", "tiny-random"]
-    return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *model, *map(str, args)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return ["generate", *model, *map(str, args)]
+
+
+def _run(*args, omp_threads="1"):
+    """``ssm-spec generate ARGS`` in the test process (:func:`tests.helpers.run_cli`).
+    ``omp_threads``: ``$OMP_NUM_THREADS`` (None: unset, the command's own default)."""
+    return run_cli(_argv(args), omp_threads=omp_threads)
+
+
+def _run_process(*args, timeout=300):
+    """``python -m ssm_spec generate ARGS`` in a subprocess, as a user runs it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "ssm_spec", *_argv(args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _row(stdout, name):
@@ -57,8 +67,9 @@ def _assert_ok_and_equal(proc):
 def test_default_run_with_check():
     """The default (tiny model, prompt lookup; on CUDA where present) equals plain greedy and
     prints the table. The other runs pass --device cpu: a fresh process compiles the Triton
-    kernels again, which costs more than the tiny model's whole run."""
-    proc = _run("--max-new-tokens", 64, "--check", "--repeats", 1)
+    kernels again, which costs more than the tiny model's whole run. A process of its own: the
+    command end to end as a user starts it."""
+    proc = _run_process("--max-new-tokens", 64, "--check", "--repeats", 1)
     _assert_ok_and_equal(proc)
     assert _row(proc.stdout, "new tokens") == "64"
     assert float(_row(proc.stdout, "mean accepted length").split()[0]) >= 1.0

@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import subprocess
 import sys
 import sysconfig
 from pathlib import Path
@@ -24,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import train_demo_model as tdm  # noqa: E402
+from tests.helpers import run_cli  # noqa: E402
 from tests.hf.test_cli_generate import _row  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not demo_available("target") or not demo_available("draft"),
@@ -90,9 +89,9 @@ def test_held_out_bits_per_byte_below_the_bound():
 
 
 def _generate(*args):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "ssm_spec", "generate", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    """``ssm-spec generate ARGS`` offline, in the test process (tests/hf/test_cli_generate.py
+    starts the command as a process of its own)."""
+    return run_cli(["generate", *args], env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 # prompt lookup through the CLI on the second release: test_cli_generate.py's --check runs; the pair loads there
