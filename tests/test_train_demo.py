@@ -40,8 +40,12 @@ def run(argv, timeout=600, env=None):
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
+    """The smoke run's output, the script's main trained in the test process with the script's
+    argv (a subprocess paid 5 s of imports)."""
     out = tmp_path_factory.mktemp("demo")
-    run(["scripts/train_demo_model.py", "--smoke", "--out", str(out), "--device", "cpu"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", ["scripts/train_demo_model.py", "--smoke", "--out", str(out), "--device", "cpu"])
+        assert tdm.main() == 0
     return out
 
 
@@ -74,10 +78,13 @@ def test_smoke_checkpoints_decode_exactly_through_the_cli(smoke_run, named, draf
     """The saved pair loads offline (bf16 safetensors, run in fp32) and the converted model's
     speculative decoding gives plain greedy's tokens, with prompt lookup (the target by path) and
     with the draft (both by the name ``demo``, looked up in ``SSM_SPEC_DEMO_DIR``)."""
+    from tests.helpers import run_cli
+
     model = "demo" if named else str(smoke_run / "target")
-    out = run(["-m", "ssm_spec", "generate", "--model", model, "--draft", draft, "--check", "--max-new-tokens",
-               str(tokens), "--repeats", "1", "--warmup", "1", "--device", "cpu"],
-              env={"SSM_SPEC_DEMO_DIR": str(smoke_run)})
+    proc = run_cli(["generate", "--model", model, "--draft", draft, "--check", "--max-new-tokens", tokens,
+                    "--repeats", "1", "--warmup", "1", "--device", "cpu"], env={"SSM_SPEC_DEMO_DIR": str(smoke_run)})
+    out = proc.stdout
+    assert proc.returncode == 0, out[-2000:] + proc.stderr[-2000:]
     line = next(ln for ln in out.splitlines() if ln.startswith("tokens equal plain greedy"))
     assert line.split()[-1] == "yes", out
 
@@ -148,7 +155,7 @@ def test_a_corpus_too_small_to_split_or_window_is_one_line(tmp_path, capsys):
 def test_a_short_run_still_trains(tmp_path):
     """``--steps 1`` clamps the warm-up (a step at learning rate 0 trains nothing)."""
     out = tmp_path / "short"
-    run(["scripts/train_demo_model.py", "--smoke", "--steps", "1", "--out", str(out), "--device", "cpu"])
+    assert tdm.main(["--smoke", "--steps", "1", "--out", str(out), "--device", "cpu"]) == 0
     man = json.loads((out / "demo.json").read_text())
     assert man["steps"] == 1 and man["warmup"] == 0
 

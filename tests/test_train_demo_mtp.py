@@ -115,7 +115,9 @@ def smoke_out(tmp_path_factory):
         pytest.skip("this build carries no demo target")
     out = tmp_path_factory.mktemp("mtp")
     before = {p: _sha(p) for p in (ASSETS / "target").iterdir()}
-    run(["scripts/train_demo_mtp.py", "--smoke", "--out", str(out), "--device", "cpu"])
+    with pytest.MonkeyPatch.context() as mp:  # the script's main in the test process (no 5 s of imports), its argv
+        mp.setattr(sys, "argv", ["scripts/train_demo_mtp.py", "--smoke", "--out", str(out), "--device", "cpu"])
+        assert tdm_mtp.main() == 0
     assert {p: _sha(p) for p in (ASSETS / "target").iterdir()} == before, "a smoke run wrote the package's assets"
     assert not (ASSETS / "mtp.json").exists() or _sha(ASSETS / "mtp.json") != _sha(out / "mtp.json")
     return out
