@@ -183,9 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transformers' optional runs to leave out: hf_lookup, hf_static (recorded as skipped)")
     p.add_argument("--no-loop", dest="loop", action="store_false",
                    help="skip the runs through ssm-spec's decode loop (loop, loop+lookup)")
-    p.add_argument("--compile", action="store_true",
-                   help="the decode loop's forwards through torch.compile (apply_recoverssm(compile=True)); "
-                        "the loop's rows and forward times are then the compiled ones")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                   help="the decode loop's forwards through torch.compile: apply_recoverssm(compile=...) "
+                        "'auto' (the library's default: compiled when the loop captures CUDA graphs), True, False; "
+                        "the loop's rows and forward times are the loop's as run")
     p.add_argument("--batch", type=int, nargs="+", default=[1], metavar="B",
                    help="batch sizes of the decode-loop runs (rows of the same length, each a rotation of the "
                         "prompt; tokens/s counts every row's tokens): batch 1 is reported as loop / loop+lookup, "

@@ -38,14 +38,15 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
     ``loop`` / ``loop+lookup``, other sizes under ``loop@B`` / ``loop+lookup@B``). Returns the
     ``"loop"`` section of the results: per batch size the tokens/s, the ratio and the acceptance;
     on CUDA the forward GPU times, the floor and the ratios above."""
-    from ssm_spec.hf import acceptance_stats, apply_recoverssm
+    from ssm_spec.hf import acceptance_stats, apply_recoverssm, recoverssm_config
     from ssm_spec.hf.loop import bucket_for
 
     device = model.get_input_embeddings().weight.device
     k = args.num_draft_tokens
     graphs = bool(args.graphs and device.type == "cuda")
-    compiled = bool(getattr(args, "compile", False))
-    apply_recoverssm(model, decode_loop=True, cuda_graphs=graphs, compile=compiled)
+    setting = {"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto")
+    apply_recoverssm(model, decode_loop=True, cuda_graphs=graphs, compile=setting)
+    compiled = recoverssm_config(model).compiles_on(device)
     section = {"cuda_graphs": graphs, "compile": compiled, "num_draft_tokens": k, "by_batch": {}}
     for B in args.batch:
         ids = batch_prompt(tok, sentence, args.prompt_repeats, B, device)
@@ -88,5 +89,5 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
             ms_per_token = 1e3 / section["by_batch"]["1"]["loop_tokens_per_s"]
             section.update(loop_ms_per_token=ms_per_token,
                            loop_ms_per_token_over_gpu_forward=ms_per_token / decode["ms"])
-    apply_recoverssm(model, decode_loop=False, cuda_graphs=False)  # frees the loop's buffers and graphs
+    apply_recoverssm(model, decode_loop=False, cuda_graphs=False, compile="auto")  # frees the loop's buffers and graphs
     return section

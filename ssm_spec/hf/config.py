@@ -40,7 +40,9 @@ class RecoverSSMConfig:
             transformers' loop, where the call's options allow it.
         compile: the decode loop's verify forwards run through ``torch.compile(fullgraph=True)``
             (the first call of each shape compiles; what ``cuda_graphs`` captures then is the
-            compiled forward).
+            compiled forward): ``True``, ``False``, or ``"auto"`` (the default): when the loop
+            captures CUDA graphs (``cuda_graphs`` on a CUDA device), else eager
+            (:meth:`compiles_on`).
         fused_projections: linears that read the same input run as one GEMM (GDN's input
             projections, attention's q/k/v, each MLP's gate/up;
             :mod:`ssm_spec.hf.fused_linear`); parameter names, values and ``save_pretrained``
@@ -57,15 +59,24 @@ class RecoverSSMConfig:
     mode: str = "exact"
     cuda_graphs: bool = False
     decode_loop: bool = True
-    compile: bool = False
+    compile: bool | str = "auto"
     fused_projections: bool = True
 
     def __post_init__(self):
         check_state_dtype("RecoverSSMConfig", self.state_dtype)
         check_mode("RecoverSSMConfig", self.mode)
-        for name in ("cuda_graphs", "decode_loop", "compile", "fused_projections"):
+        for name in ("cuda_graphs", "decode_loop", "fused_projections"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"RecoverSSMConfig: {name}: got {getattr(self, name)!r}; expected True or False")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise ValueError(f"RecoverSSMConfig: compile: got {self.compile!r}; expected True, False or 'auto'")
+
+    def compiles_on(self, device) -> bool:
+        """Whether the decode loop on ``device`` compiles its forwards: ``compile`` when set,
+        else (``"auto"``) when it captures CUDA graphs there."""
+        if self.compile == "auto":
+            return self.cuda_graphs and torch.device(device).type == "cuda"
+        return self.compile
 
     def replace(self, **changes) -> RecoverSSMConfig:
         """A copy with ``changes`` applied; ``None`` values keep the current setting."""

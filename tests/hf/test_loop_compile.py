@@ -112,3 +112,19 @@ def test_compiled_and_captured_loop_equals_plain_greedy(kind):
             assert torch.equal(got, want)
             loop = model._recoverssm.loop
             assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
+
+
+def test_compile_auto_compiles_where_the_loop_captures():
+    """``compile="auto"`` (the default): compiled when the loop captures CUDA graphs (cuda_graphs
+    on a CUDA device), eager elsewhere; an explicit setting wins; other values are refused."""
+    from ssm_spec.hf import RecoverSSMConfig
+
+    auto = RecoverSSMConfig()
+    assert auto.compile == "auto" and not auto.compiles_on("cuda") and not auto.compiles_on("cpu")
+    graphed = auto.replace(cuda_graphs=True)
+    assert graphed.compiles_on("cuda:0") and not graphed.compiles_on("cpu")
+    assert not graphed.replace(compile=False).compiles_on("cuda") and auto.replace(compile=True).compiles_on("cpu")
+    with pytest.raises(ValueError, match="compile"):
+        RecoverSSMConfig(compile="yes")
+    with pytest.raises(ValueError, match="apply_recoverssm: compile"):
+        apply_recoverssm(tiny_model("qwen3_5"), compile="sometimes")

@@ -186,7 +186,9 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
         return None
     k = draft_tokens(assistant.generation_config)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
-    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
+    device = assistant.get_input_embeddings().weight.device
+    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode,
+                                        compile=config.compiles_on(device))
     return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
 
 
@@ -251,7 +253,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
         runtime.loop = loop = None  # free the old buffers before the new ones
         drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling, head)
         loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
-                          state_dtype=config.state_dtype, mode=config.mode, compile=config.compile)
+                          state_dtype=config.state_dtype, mode=config.mode, compile=config.compiles_on(device))
         runtime.loop, runtime.loop_key = loop, key_base
     if ssm_streamer is not None:
         ssm_streamer.put(input_ids.cpu())
