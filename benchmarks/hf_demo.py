@@ -240,7 +240,8 @@ def run_demo(ns) -> dict:
                      "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s, "times_s": list(plain[i].times),
                                      "times_spread": timing_spread(f"hf, prompt {i}", plain[i].times)}}})
     for prefix, loop, graphs in modes:
-        apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs)
+        apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs,
+                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
         for i, x in enumerate(ids):
             runs = [("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
                     ("ours+draft", dict(assistant_model=draft))]
