@@ -124,7 +124,7 @@ for part in $PARTS; do
       summary+=("forward cost: $OUT/forward_cost.log; gemv: $OUT/gemv.log")
       ;;
     round-cost)  # the decode loop's time part by part: prefill, captured rounds, the rest (ROUND_COST_ARGS: bench_hf_generate's width flags, --compile)
-      python3 scripts/loop_round_cost.py ${ROUND_COST_ARGS:-} 2>&1 | tee "$OUT/round_cost.log"
+      python3 scripts/loop_round_cost.py ${ROUND_COST_ARGS:-} --json "$OUT/round_cost.json" 2>&1 | tee "$OUT/round_cost.log"
       summary+=("round cost: $OUT/round_cost.log")
       ;;
     bench-step)  # captured step: RecoverSSM vs snapshot vs folded, B 1..256, k 1 3 5

@@ -1,10 +1,11 @@
 """Where the decode loop's time goes, part by part (CUDA only).
 
 Builds the model of ``bench_hf_generate.py``'s width options on the GPU, converts it with
-``cuda_graphs=True`` (and with ``--compile``, also ``compile=True``) and runs ``generate``
+``cuda_graphs=True`` (``--compile``: with ``compile=False``, ``True`` or each in turn) and runs ``generate``
 through the decode loop, plain and with prompt lookup. One timed call per run is split with
 CUDA events recorded on the stream around the prompt's prefill and around every replay of the
-captured rounds:
+captured rounds (with ``--mtp-k K``, also ``use_mtp=True, num_assistant_tokens=K`` with a random
+one-layer MTP head: what a round of the head's drafts costs against a plain decode round):
 
 - ``prefill``: the prompt's forward (GPU time between its events);
 - ``rounds``: the replays' GPU time, per round and per token (a round's graph holds
@@ -16,7 +17,7 @@ It also gives the decode forward's kernel time summed by the profiler (``kernels
 round's graph time over it is what the gaps between kernels and the round's own sampling,
 acceptance and commit add.
 
-    python scripts/loop_round_cost.py --kind qwen3_5 --hidden 2560 --layers 32 ... --new-tokens 128
+    python scripts/loop_round_cost.py --kind qwen3_5 --hidden 2560 --layers 32 ... --new-tokens 128 --mtp-k 3
 """
 
 from __future__ import annotations
@@ -88,7 +89,11 @@ def main(argv=None) -> int:
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
 
     extra = argparse.ArgumentParser(add_help=False)
-    extra.add_argument("--compile", action="store_true", help="also the loop with compile=True")
+    extra.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                       help="the loop with compile=False (off), compile=True (on) or each in turn (both)")
+    extra.add_argument("--mtp-k", type=int, default=None, metavar="K",
+                       help="also use_mtp=True with K drafts, from a random one-layer MTP head (time only)")
+    extra.add_argument("--json", default=None, metavar="PATH", help="also write the rows and ratios there")
     mine, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     device = torch.device("cuda")
@@ -96,10 +101,15 @@ def main(argv=None) -> int:
     tok = ByteTokenizer()
     new = args.new_tokens or 128
     ids = batch_prompt(tok, SENTENCE, args.prompt_repeats or 3, 1, device)
+    runs = [("plain", {}), ("lookup", {"prompt_lookup_num_tokens": args.num_draft_tokens})]
+    if mine.mtp_k is not None:
+        runs.append((f"mtp k={mine.mtp_k}", {"use_mtp": True, "num_assistant_tokens": mine.mtp_k}))
     rows = []
-    for compile_ in (False, True) if mine.compile else (False,):
+    for compile_ in {"off": (False,), "on": (True,), "both": (False, True)}[mine.compile]:
         apply_recoverssm(model, decode_loop=True, cuda_graphs=True, compile=compile_)
-        for name, kw in (("plain", {}), ("lookup", {"prompt_lookup_num_tokens": args.num_draft_tokens})):
+        if mine.mtp_k is not None:
+            model._recoverssm.mtp = random_head(model)
+        for name, kw in runs:
             t = time.perf_counter()
             model.generate(ids, max_new_tokens=new, do_sample=False, **kw)  # capture, compile, warm
             first = time.perf_counter() - t
@@ -124,7 +134,36 @@ def main(argv=None) -> int:
               f"{per_round:8.3f} | {p['rounds']:6d} | {(p['tokens'] - 1) / max(p['rounds'], 1):9.2f} | "
               f"{per_round / p['kernels_ms']:13.2f} | {p['rest_ms'] / p['tokens']:8.3f} | "
               f"{p['kernels_ms']:.3f} ms ({p['kernels']})")
+    by_run = {p["run"]: p["rounds_ms"] / max(p["rounds"], 1) for p in rows}
+    ratios = {}
+    for run, per_round in by_run.items():
+        plain = by_run.get(("compiled " if run.startswith("compiled ") else "") + "plain")
+        if plain and not run.endswith("plain"):
+            ratios[run] = per_round / plain
+            print(f"{run}: a round takes {per_round / plain:.2f}x a plain decode round ({per_round:.3f} / {plain:.3f} ms)")
+    if mine.json:
+        import json
+
+        from hf_environment import environment
+
+        Path(mine.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items() if k != "out_dir"},
+                                                   rows=rows, round_over_plain_round=ratios,
+                                                   environment=environment(device)), indent=1, default=str))
     return 0
+
+
+def random_head(model):
+    """A one-layer MTP head of ``model``'s widths with random weights, on its device and in its
+    dtype (for timing: it accepts next to nothing)."""
+    from ssm_spec.hf.mtp.head import MTPHead
+
+    weight = model.get_input_embeddings().weight
+    head = MTPHead.for_model(model, num_layers=1, device=weight.device)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.02)
+    return head.to(weight.dtype).requires_grad_(False).eval()
 
 
 if __name__ == "__main__":
