@@ -114,6 +114,25 @@ def test_compiled_and_captured_loop_equals_plain_greedy(kind):
             assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
 
 
+def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile_limit(monkeypatch):
+    """One compiled model, plain decoding then prompt lookup (two window widths), batch 3, with
+    dynamo's recompile limit at 1: every shape compiles its own static graph (a dynamic one
+    made after the second width gave other tokens) and the limit does not end the second."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    texts = ["the cat sat on the mat. the cat sat on the", "a b c a b c a b", "hello hello world, hello"]
+    enc = [TOK.encode(t) for t in texts]
+    P = max(map(len, enc))
+    ids = torch.tensor([[TOK.pad_token_id] * (P - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in enc])
+    compiled = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=True)
+    eager = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=False)
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+        want = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw)
+        assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw),
+                           want), kw
+
+
 def test_compile_auto_compiles_where_the_loop_captures():
     """``compile="auto"`` (the default): compiled when the loop captures CUDA graphs (cuda_graphs
     on a CUDA device), eager elsewhere; an explicit setting wins; other values are refused."""

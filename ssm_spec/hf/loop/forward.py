@@ -18,6 +18,11 @@ __all__ = ["LoopModel", "SUPPORTED_ATTENTION", "row_mask"]
 #: Attention implementations whose mask format the loop builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
+#: Compiled graphs of the verify forward kept at once (dynamo's recompile limit while it runs):
+#: one per model, batch bucket and window width, all of one code object (``LoopModel._forward``),
+#: where dynamo's default of 8 ends a process's ninth shape with an error under ``fullgraph``.
+COMPILED_SHAPES_LIMIT = 256
+
 
 def row_mask(arange: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, sdpa: bool, dtype: torch.dtype):
     """The attention mask of queries at ``columns [B, L]`` over ``arange [N]`` buffer columns:
@@ -38,8 +43,12 @@ class LoopModel:
     Args:
         model: the Hugging Face causal LM (converted, or without GatedDeltaNet layers).
         batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
-        compile: verify forwards run through ``torch.compile(fullgraph=True)`` (inductor fuses
-            what surrounds the ops; the prompt's prefill stays eager).
+        compile: verify forwards run through ``torch.compile(fullgraph=True, dynamic=False)``
+            (inductor fuses what surrounds the ops; the prompt's prefill stays eager): one graph
+            per batch bucket and window width. Static shapes on purpose: with dynamo's automatic
+            dynamic shapes, the graph it made dynamic after a second width (plain decoding, then
+            prompt lookup on the same model) gave other tokens than the eager forward (fp32, CPU
+            and CUDA, torch 2.11 and 2.13).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, max_window: int, *, state_dtype=torch.float32,
@@ -53,7 +62,12 @@ class LoopModel:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.dict_mask = bool(self.cache.adapters)  # the hybrid decoders take a mask per layer type
         self._arange = torch.arange(capacity, device=self.cache.device)
-        self._verify_forward = torch.compile(self._forward, fullgraph=True) if compile else self._forward
+        self._verify_forward = self._forward
+        if compile:
+            compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
+            limit = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT,
+                                               accumulated_recompile_limit=4 * COMPILED_SHAPES_LIMIT)
+            self._verify_forward = limit(compiled)
 
     def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         return row_mask(self._arange, columns, pad, self.sdpa, self.dtype)
