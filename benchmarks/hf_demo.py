@@ -241,7 +241,7 @@ def run_demo(ns) -> dict:
                                      "times_spread": timing_spread(f"hf, prompt {i}", plain[i].times)}}})
     for prefix, loop, graphs in modes:
         apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs,
-                         compile={"on": True, "off": False}.get(getattr(args, "compile", "auto"), "auto"))
+                         compile={"on": True, "off": False}.get(getattr(ns, "compile", "auto"), "auto"))
         for i, x in enumerate(ids):
             runs = [("ours", None), ("ours+lookup", dict(prompt_lookup_num_tokens=ns.num_draft_tokens)),
                     ("ours+draft", dict(assistant_model=draft))]

@@ -403,3 +403,38 @@ def test_tune_closed_form_reads_its_sweep_flags(capsys):
         with pytest.raises(SystemExit) as exc:
             tune.parse(["--prefetch", bad])
         assert exc.value.code == 2 and "--prefetch" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("setting, want", [("off", False), ("on", True), ("auto", "auto")])
+def test_bench_hf_generate_demo_runs_convert_with_the_compile_option(monkeypatch, tmp_path, setting, want):
+    """``--model demo --compile off|on|auto`` reaches every conversion of the demo's runs (the
+    loop's runs of an H200 demo bench compiled with ``--compile off`` when it did not)."""
+    pytest.importorskip("safetensors")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+    import hf_demo
+
+    import ssm_spec.hf
+    from ssm_spec.assets import demo_available
+
+    if not demo_available():
+        pytest.skip("this build carries no demo pair")
+    seen = []
+    convert = ssm_spec.hf.apply_recoverssm
+
+    class Stop(Exception):
+        pass
+
+    def recording(model, **kw):
+        if kw.get("decode_loop"):
+            seen.append(kw.get("compile"))
+            raise Stop
+        return convert(model, **kw)
+
+    monkeypatch.setattr(ssm_spec.hf, "apply_recoverssm", recording)
+    args = bench.parse_args(["--model", "demo", "--device", "cpu", "--loop-only", "--compile", setting,
+                             "--prompt-files", "1", "--new-tokens", "2", "--warmup-tokens", "1", "--repeats", "1",
+                             "--out-dir", str(tmp_path)])
+    with pytest.raises(Stop):
+        hf_demo.run_demo(args)
+    assert seen == [want]
