@@ -18,6 +18,7 @@ from .config import DEFAULT_NUM_ASSISTANT_TOKENS, RecoverSSMConfig, RecoverSSMRu
 from .experts import capture_safe_experts
 from .fused_linear import fuse_shared_input_linears, unfuse_shared_input_linears
 from .graphed import SUPPORTED_ATTENTION
+from .draft_options import check_draft_options
 from .mtp.calls import check_mtp_call, load_head_for_apply
 from .placement import carry_hook, placement_problem
 
@@ -149,8 +150,9 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             kept). See :func:`ssm_spec.hf.mtp.load_mtp_head`.
 
     Raises:
-        ValueError: no GatedDeltaNet layer found; a layer ``from_hf`` rejects; another
-            ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
+        ValueError: ``model`` not a ``torch.nn.Module``; ``cuda_graphs``, ``decode_loop`` or
+            ``fused_projections`` not a bool, ``compile`` not a bool or ``"auto"``; no
+            GatedDeltaNet layer found; a layer ``from_hf`` rejects; another ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
             sdpa or eager; ``tp_group`` with GDN weights offloaded by a device map (on the
             ``meta`` device: there is nothing to slice), or on a model already converted. The
             converted ``generate`` raises it for prompt lookup or an assistant when
@@ -162,13 +164,13 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     The converted layers are inference kernels: ``generate`` runs them under ``no_grad``; a
     ``forward`` in grad mode with trainable parameters raises ``ValueError``.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"apply_recoverssm: model: got a {type(model).__name__}; expected a transformers model "
+                         "(a torch.nn.Module, e.g. from AutoModelForCausalLM.from_pretrained)")
     base = model._recoverssm.config if is_converted(model) else RecoverSSMConfig()
     try:
-        config = base.replace(state_dtype=state_dtype, mode=mode,
-                              cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
-                              decode_loop=None if decode_loop is None else bool(decode_loop),
-                              compile=compile,
-                              fused_projections=None if fused_projections is None else bool(fused_projections))
+        config = base.replace(state_dtype=state_dtype, mode=mode, cuda_graphs=cuda_graphs, decode_loop=decode_loop,
+                              compile=compile, fused_projections=fused_projections)
     except ValueError as exc:
         raise ValueError(str(exc).replace("RecoverSSMConfig:", "apply_recoverssm:", 1)) from None
     if cuda_graphs:
@@ -273,6 +275,7 @@ def _generate(self, *args, **kwargs):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
                          "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
                          "first")
+    check_draft_options(named, lambda name, default: _setting(self, gen_config, named, name, default))
     use_mtp = bool(_setting(self, gen_config, named, "use_mtp", False))
     if use_mtp:
         check_mtp_call(self, named, lambda name, default: _setting(self, gen_config, named, name, default))

@@ -5,6 +5,8 @@ unconverted model (fp32; on CUDA too, where the GPU run executes this file). tra
 own GDN path runs its PyTorch reference functions here (conftest), on every device.
 """
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -200,6 +202,34 @@ def test_unconverted_gdn_assistant_is_refused():
     model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
     with pytest.raises(ValueError, match="apply_recoverssm"):
         model.generate(_ids(), max_new_tokens=4, assistant_model=tiny_model("qwen3_next", seed=0))
+
+
+@pytest.mark.parametrize("decode_loop", [True, False])
+def test_draft_options_that_cannot_mean_what_they_say_are_refused(decode_loop):
+    """Draft counts that are not ints >= 1 (0 decoded without drafts, 2.5 drafted 2, "5" was taken)
+    and an assistant with prompt lookup (transformers drafts by lookup and ignores the
+    assistant) raise before anything runs, naming the option; in either loop."""
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0), decode_loop=decode_loop)
+    draft = apply_recoverssm(tiny_model("qwen3_5", seed=1))
+    for kw, words in [(dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens=0;"),
+                      (dict(prompt_lookup_num_tokens=2.5), "prompt_lookup_num_tokens=2.5;"),
+                      (dict(prompt_lookup_num_tokens="5"), "prompt_lookup_num_tokens='5';"),
+                      (dict(prompt_lookup_num_tokens=True), "prompt_lookup_num_tokens=True;"),
+                      (dict(assistant_model=draft, num_assistant_tokens=-2), "num_assistant_tokens=-2;"),
+                      (dict(assistant_model=draft, prompt_lookup_num_tokens=3), "one drafter per call")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            model.generate(_ids(), max_new_tokens=3, do_sample=False, **kw)
+    assert model._recoverssm.loop is None and model._recoverssm.last_stats is None
+
+
+def test_apply_recoverssm_refuses_what_is_not_a_model_or_a_switch():
+    model = tiny_model("qwen3_5", seed=0)
+    with pytest.raises(ValueError, match="apply_recoverssm: model: got a str"):
+        apply_recoverssm("Qwen/Qwen3.5-4B")
+    for name in ("cuda_graphs", "decode_loop", "fused_projections"):
+        with pytest.raises(ValueError, match=f"apply_recoverssm: {name}: got 'yes'; expected True or False"):
+            apply_recoverssm(model, **{name: "yes"})
+    assert not hasattr(model, "_recoverssm")
 
 
 @pytest.mark.parametrize("kind", KINDS)
