@@ -209,6 +209,16 @@ class StatePool:
             nl = len(group.members)
             group.state = torch.zeros((nl, S, spec.state_len, spec.channels), dtype=self.conv_dtype, device=dev)
             group.records = torch.zeros((nl, T, spec.channels), device=dev)
+        for group in (*self._gdn.values(), *self._conv.values()):
+            records = group.records if isinstance(group.records, tuple) else (group.records,)
+            buffers = [group.state, *records, *(group.ring or ()), *(group.prev_records or ())]
+            for t in buffers:
+                # static sizes under torch.compile, whatever the pool's size: the ops get views of
+                # these (a layer's slice, [layer, :tokens]) to write into, and with sizes made
+                # dynamic inductor lowers such a view's storage offset to 0, so the writes landed
+                # in the first layer's buffer (a fresh pool of another size makes dynamo's automatic
+                # dynamic shapes do that by itself; pytorch/pytorch#198068)
+                torch._dynamo.mark_static(t)
         #: folded pools: each slot's pending window (:class:`~ssm_spec.pools.pending.PendingWindows`)
         self.pending = PendingWindows(self)
         self._parity = 0

@@ -520,3 +520,35 @@ def test_records_cover_the_verify_span_only(device):
             for (s, _), (r, _) in zip((*pool.gdn_groups.values(), *pool.conv_groups.values()),
                                       (*ref_pool.gdn_groups.values(), *ref_pool.conv_groups.values())):
                 assert rel_err(s[:, slot], r[:, 0]) < 1e-5
+
+
+def test_a_step_compiled_with_dynamic_shapes_writes_every_layers_states():
+    """Two GDN layers sharing one pool group (the second one's state and record views start past
+    the first's), verify + commit under ``torch.compile(dynamic=True)`` on pools of two sizes:
+    every layer's states equal the eager step's. The pool's buffers are static to dynamo: with
+    dynamic sizes inductor lowered a view's storage offset to 0 and the second layer's writes
+    landed in the first's buffers."""
+    torch.manual_seed(0)
+    layers = randomize_([RecoverGatedDeltaNet(16, 2, 4, 8, 4, layout="qwen3_5") for _ in range(2)], 0.3)
+
+    def step(x, md, pool, n):
+        out = layers[1](layers[0](x, md, pool), md, pool)
+        commit(pool, md, n, validate=False)
+        return out
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for slots, W in ((2, 2), (5, 3)):
+            pools = [StatePool(layers, num_slots=slots, max_tokens=slots * W) for _ in range(2)]
+            for pool in pools:
+                for group in pool._gdn.values():
+                    group.state.copy_(torch.randn(group.state.shape, generator=torch.Generator().manual_seed(1)))
+            md = RecoverSSMMetadata.build([W] * slots, [False] * slots, [5] * slots, list(range(slots)),
+                                          num_slots=slots)
+            x = torch.randn(slots * W, 16, generator=torch.Generator().manual_seed(2))
+            n = i32([W - 1] * slots, "cpu")
+            want = step(x, md, pools[0], n)
+            got = compiled(x, md, pools[1], n)
+            assert rel_err(got, want) < 1e-5
+            for a, b in zip(pools[0]._gdn.values(), pools[1]._gdn.values()):
+                assert rel_err(b.state, a.state) < 1e-6, (slots, W)

@@ -45,10 +45,10 @@ class LoopModel:
         batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
         compile: verify forwards run through ``torch.compile(fullgraph=True, dynamic=False)``
             (inductor fuses what surrounds the ops; the prompt's prefill stays eager): one graph
-            per batch bucket and window width. Static shapes on purpose: with dynamo's automatic
-            dynamic shapes, the graph it made dynamic after a second width (plain decoding, then
-            prompt lookup on the same model) gave other tokens than the eager forward (fp32, CPU
-            and CUDA, torch 2.11 and 2.13).
+            per batch bucket and window width (the graph each shape's capture records; with
+            dynamo's automatic dynamic shapes a second width compiled a dynamic one, which,
+            before the pool's buffers were static to dynamo, wrote its records into the first
+            layer's: :class:`~ssm_spec.StatePool`).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, max_window: int, *, state_dtype=torch.float32,
