@@ -299,6 +299,12 @@ def _generate(self, *args, **kwargs):
                     raise ValueError(f"generate: use_mtp=True drafts inside ssm-spec's decode loop, and this call "
                                      f"needs transformers' loop ({exc})") from None
                 reason = str(exc)
+        prompt = _prompt(named)
+        rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
+        if reason != ASSISTANT_CALL and rows > 1 and draft_length(gen_config, named) > 0:
+            raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
+                             f"loop, which would run it, drafts for one row only ({rows} rows here): left-pad the "
+                             "rows, drop the option, or call once per row")
         if reason != ASSISTANT_CALL:
             warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
                           "loop does not implement it)", RuntimeWarning, stacklevel=3)

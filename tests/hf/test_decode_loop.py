@@ -153,6 +153,23 @@ def test_options_the_loop_does_not_implement_run_transformers_loop_after_a_warni
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)
 
 
+def test_drafts_for_several_rows_that_only_transformers_loop_could_run_are_refused_by_cause():
+    """Right padding or ``output_scores`` with drafts on 2 rows: the loop cannot run them and
+    transformers' loop drafts one row only, so the error names the cause, not the row count
+    alone; without drafts the same call falls back with a warning."""
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
+    ids, mask = _batch(TEXTS[:2])
+    right = torch.ones_like(mask)
+    right[1, -2:] = 0
+    with pytest.raises(ValueError, match=r"right padding in the attention mask: .* one row only \(2 rows here\)"):
+        model.generate(ids, attention_mask=right, max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match=r"output_scores"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=3,
+                       output_scores=True, return_dict_in_generate=True)
+    with pytest.warns(RuntimeWarning, match="right padding"):
+        model.generate(ids, attention_mask=right, max_new_tokens=3, do_sample=False)
+
+
 def test_an_empty_prompt_is_refused_clearly():
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
     with pytest.raises(ValueError, match="no tokens"):
