@@ -360,6 +360,32 @@ def test_greedy_with_the_mtp_head_equals_plain_greedy(device, kind, sharded, che
     assert accepted > 0 or not (sharded and kind == "qwen3_next"), accepted
 
 
+def test_compiled_head_steps_stay_exact_in_one_graph_per_shape(checkpoint):
+    """``compile=True``: the head's draft steps and its pass over the window run compiled
+    (fullgraph: a break would raise) in one graph each for k = 2 and a batch of three, with
+    plain greedy's tokens for every row and the same drafts as the eager head within rounding
+    (the same acceptance)."""
+    from torch._dynamo.utils import counters
+
+    path, _ = checkpoint("qwen3_5", False, copy_token=True)
+    ref = _load(path, "qwen3_5")
+    ids, mask = _batch(TEXTS)
+    own = _own(ref, TEXTS, NEW, "cpu")
+    runs = {}
+    for setting in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = apply_recoverssm(_load(path, "qwen3_5"), compile=setting)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, use_mtp=True,
+                             num_assistant_tokens=2)
+        _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
+        runs[setting] = acceptance_stats(model)
+        graphs = dict(counters["stats"]).get("unique_graphs", 0)
+    # compiled: the target's verify forward (W = 3), the head's step (L = 1) and its window pass (L = 3)
+    assert graphs == 3, dict(counters["stats"])
+    assert runs[True].accepted == runs[False].accepted and runs[True].rounds == runs[False].rounds
+
+
 @pytest.mark.parametrize("kind", ["qwen3_next_moe", "qwen3_5_moe_vl"])
 def test_expert_and_vision_language_classes_equal_plain_greedy(kind, tmp_path):
     """Expert MTP layers (Qwen3-Next's per-expert tensors, Qwen3.5-MoE's fused ones) and a

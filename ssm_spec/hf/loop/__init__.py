@@ -178,7 +178,9 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
     from ..config import is_converted
 
     if head is not None:
-        return MTPDrafter(model, head, draft_tokens(generation_config), bucket, capacity, scoring, sampling)
+        device = model.get_input_embeddings().weight.device
+        return MTPDrafter(model, head, draft_tokens(generation_config), bucket, capacity, scoring, sampling,
+                          compile=recoverssm_config(model).compiles_on(device))
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:
         return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)

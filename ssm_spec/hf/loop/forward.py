@@ -13,7 +13,7 @@ import torch
 from ..config import cache_kwarg
 from .cache import LoopCache
 
-__all__ = ["LoopModel", "SUPPORTED_ATTENTION", "row_mask"]
+__all__ = ["LoopModel", "SUPPORTED_ATTENTION", "row_mask", "compiled"]
 
 #: Attention implementations whose mask format the loop builds.
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -22,6 +22,14 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 #: one per model, batch bucket and window width, all of one code object (``LoopModel._forward``),
 #: where dynamo's default of 8 ends a process's ninth shape with an error under ``fullgraph``.
 COMPILED_SHAPES_LIMIT = 256
+
+
+def compiled(fn):
+    """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)``, run with dynamo's
+    recompile limit at :data:`COMPILED_SHAPES_LIMIT`: one static graph per shape it meets."""
+    limit = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT,
+                                       accumulated_recompile_limit=4 * COMPILED_SHAPES_LIMIT)
+    return limit(torch.compile(fn, fullgraph=True, dynamic=False))
 
 
 def row_mask(arange: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, sdpa: bool, dtype: torch.dtype):
@@ -62,12 +70,7 @@ class LoopModel:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.dict_mask = bool(self.cache.adapters)  # the hybrid decoders take a mask per layer type
         self._arange = torch.arange(capacity, device=self.cache.device)
-        self._verify_forward = self._forward
-        if compile:
-            compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
-            limit = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT,
-                                               accumulated_recompile_limit=4 * COMPILED_SHAPES_LIMIT)
-            self._verify_forward = limit(compiled)
+        self._verify_forward = compiled(self._forward) if compile else self._forward
 
     def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         return row_mask(self._arange, columns, pad, self.sdpa, self.dtype)

@@ -38,7 +38,7 @@ import torch
 
 from .accept import draw
 from .cache import RowAttentionLayer
-from .forward import row_mask
+from .forward import compiled, row_mask
 
 __all__ = ["MTPDrafter", "HeadKV"]
 
@@ -76,6 +76,10 @@ class MTPDrafter:
             scores processed as the target's are).
         sampling: draw drafts from the head's distribution (kept for rejection sampling)
             instead of taking its argmax.
+        compile: the head's applications inside a round (the draft steps, the pass over the
+            window) through ``torch.compile(fullgraph=True, dynamic=False)``, as the target's
+            verify forward (:func:`~ssm_spec.hf.loop.forward.compiled`); the pass over the
+            prompt stays eager.
 
     Raises:
         ValueError: ``num_tokens`` below 1.
@@ -84,7 +88,8 @@ class MTPDrafter:
     #: the loop hands this drafter the target's hidden states (``start`` / ``accept``)
     needs_hidden = True
 
-    def __init__(self, model, head, num_tokens: int, batch_size: int, capacity: int, scoring, sampling: bool):
+    def __init__(self, model, head, num_tokens: int, batch_size: int, capacity: int, scoring, sampling: bool,
+                 compile: bool = False):
         from ..mtp import text_decoder
 
         self.k = int(num_tokens)
@@ -104,6 +109,7 @@ class MTPDrafter:
         self._g = torch.zeros(int(batch_size), weight.shape[1], dtype=self.dtype, device=device)
         self._rows = None
         self._columns = None
+        self._apply_in_round = compiled(self._apply) if compile else self._apply
 
     def key(self) -> tuple:
         return ("mtp", id(self.head), self.k, self.sampling)
@@ -142,8 +148,9 @@ class MTPDrafter:
             else:
                 d = scores.argmax(dim=-1)
             drafts.append(d)
-            if j + 1 < self.k:  # the pair (g, d_{j+1}) at column L + j
-                g = self._apply(g[:, None], d[:, None], columns[:, j:j + 1], rows.pad, j + 1)[:, 0]
+            if j + 1 < self.k:  # the pair (g, d_{j+1}) at column L + j (layer j + 1 mod the head's layers)
+                g = self._apply_in_round(g[:, None], d[:, None], columns[:, j:j + 1], rows.pad,
+                                         (j + 1) % self.head.num_layers)[:, 0]
         count = torch.full((rows.batch_size,), self.k, dtype=torch.int64, device=rows.device)
         return torch.stack(drafts, dim=1), count, torch.stack(probs, dim=1) if self.sampling else None
 
@@ -153,6 +160,6 @@ class MTPDrafter:
         output at the last kept one."""
         rows, columns = self._rows, self._columns
         nxt = rows.tokens.gather(1, (columns + 1).clamp_max(rows.capacity - 1))
-        out = self._apply(hidden, nxt, columns, rows.pad, 0)
+        out = self._apply_in_round(hidden, nxt, columns, rows.pad, 0)
         last = accepted.clamp(0, self.k)[:, None, None].expand(-1, 1, out.shape[-1])
         self._g.copy_(out.gather(1, last)[:, 0])
