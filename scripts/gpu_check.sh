@@ -123,7 +123,7 @@ for part in $PARTS; do
       python3 benchmarks/bench_gemv.py --out-dir "$OUT" ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
       summary+=("forward cost: $OUT/forward_cost.log; gemv: $OUT/gemv.log")
       ;;
-    round-cost)  # the decode loop's time part by part: prefill, captured rounds, the rest (ROUND_COST_ARGS: bench_hf_generate's width flags, --compile)
+    round-cost)  # the decode loop's time part by part: prefill, captured rounds, the rest (ROUND_COST_ARGS: bench_hf_generate's width flags, --compile off|on|both, --mtp-k K)
       python3 scripts/loop_round_cost.py ${ROUND_COST_ARGS:-} --json "$OUT/round_cost.json" 2>&1 | tee "$OUT/round_cost.log"
       summary+=("round cost: $OUT/round_cost.log")
       ;;

@@ -146,7 +146,9 @@ def main(argv=None) -> int:
 
         from hf_environment import environment
 
-        Path(mine.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items() if k != "out_dir"},
+        Path(mine.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()
+                                                         if k not in ("out_dir", "compile")},
+                                                   script_args=dict(compile=mine.compile, mtp_k=mine.mtp_k),
                                                    rows=rows, round_over_plain_round=ratios,
                                                    environment=environment(device)), indent=1, default=str))
     return 0

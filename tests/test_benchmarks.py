@@ -407,8 +407,7 @@ def test_tune_closed_form_reads_its_sweep_flags(capsys):
 
 @pytest.mark.parametrize("setting, want", [("off", False), ("on", True), ("auto", "auto")])
 def test_bench_hf_generate_demo_runs_convert_with_the_compile_option(monkeypatch, tmp_path, setting, want):
-    """``--model demo --compile off|on|auto`` reaches every conversion of the demo's runs (the
-    loop's runs of an H200 demo bench compiled with ``--compile off`` when it did not)."""
+    """``--model demo --compile off|on|auto`` reaches the conversion of the demo's loop runs."""
     pytest.importorskip("safetensors")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_hf_generate as bench

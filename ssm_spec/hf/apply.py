@@ -117,12 +117,14 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             size, rounds on the device and, with ``cuda_graphs`` on CUDA, captured); a call with
             an option the loop does not implement (beams, custom logits processors,
             ``output_scores``, a cache passed in, ...) runs transformers' loop after one
-            ``RuntimeWarning`` naming the option. ``False``: always transformers' loop (with
-            the converted cache). ``None`` keeps the current setting.
-        compile: ``True``: the decode loop's verify forwards run through
-            ``torch.compile(fullgraph=True)`` (inductor; each new shape compiles on its first
-            call: on an H200 at 3.6 B parameters about 50 s for the decode step and 90 s for a
-            verify window, once per process and bucket); ``False`` runs them eagerly;
+            ``RuntimeWarning`` naming the option (with drafts on several rows, which that loop
+            cannot draft for, a ``ValueError`` instead). ``False``: always transformers' loop
+            (with the converted cache). ``None`` keeps the current setting.
+        compile: ``True``: the decode loop's verify forwards and the MTP head's in-round
+            steps run through ``torch.compile(fullgraph=True, dynamic=False)`` (inductor; one
+            static graph per bucket and window width, compiled on its first call: on an H200 at
+            3.6 B parameters about 50 s for the decode step and 50-90 s for each verify width);
+            ``False`` runs them eagerly;
             ``"auto"`` (the default) compiles when the loop captures CUDA graphs
             (``cuda_graphs=True`` on a CUDA device). ``None`` keeps the current setting.
         fused_projections: ``True`` (the default): sibling linears that read the same input
@@ -152,12 +154,15 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
     Raises:
         ValueError: ``model`` not a ``torch.nn.Module``; ``cuda_graphs``, ``decode_loop`` or
             ``fused_projections`` not a bool, ``compile`` not a bool or ``"auto"``; no
-            GatedDeltaNet layer found; a layer ``from_hf`` rejects; another ``state_dtype``; ``cuda_graphs`` with an attention implementation other than
-            sdpa or eager; ``tp_group`` with GDN weights offloaded by a device map (on the
-            ``meta`` device: there is nothing to slice), or on a model already converted. The
-            converted ``generate`` raises it for prompt lookup or an assistant when
-            ``model.device`` is ``meta`` (the embeddings offloaded: transformers' assisted loop
-            moves drafted tokens there). ``mtp``: no MTP layer count in the config (or 0), no
+            GatedDeltaNet layer found; a layer ``from_hf`` rejects; another ``state_dtype``;
+            ``cuda_graphs`` with an attention implementation other than sdpa or eager;
+            ``tp_group`` with GDN weights offloaded by a device map (on the ``meta`` device:
+            there is nothing to slice), or on a model already converted. The converted
+            ``generate`` raises it for prompt lookup or an assistant when ``model.device`` is
+            ``meta`` (the embeddings offloaded: transformers' assisted loop moves drafted tokens
+            there); for draft options that are not ints >= 1 or name two drafters
+            (:func:`~ssm_spec.hf.draft_options.check_draft_options`); for drafts on several rows
+            with an option only transformers' loop runs. ``mtp``: no MTP layer count in the config (or 0), no
             checkpoint to read, no / missing / unexpected ``mtp.*`` tensors, shapes that do not
             fit the model (:func:`~ssm_spec.hf.mtp.load_mtp_head`).
 
@@ -301,7 +306,11 @@ def _generate(self, *args, **kwargs):
                 reason = str(exc)
         prompt = _prompt(named)
         rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
-        if reason != ASSISTANT_CALL and rows > 1 and draft_length(gen_config, named) > 0:
+        # transformers' assisted loop (greedy or sampling, one row) is where such a call would end;
+        # beams ignore the drafts there, and a custom_generate is the caller's own loop
+        assisted = (_setting(self, gen_config, named, "num_beams", 1) == 1 and reason != "custom_generate="
+                    and draft_length(gen_config, named) > 0)
+        if reason != ASSISTANT_CALL and rows > 1 and assisted:
             raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
                              f"loop, which would run it, drafts for one row only ({rows} rows here): left-pad the "
                              "rows, drop the option, or call once per row")

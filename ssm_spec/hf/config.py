@@ -38,8 +38,9 @@ class RecoverSSMConfig:
         decode_loop: ``generate`` runs ssm-spec's own decode loop (plain decoding, prompt lookup
             and assistants at any batch size, docs/design.md section 7.7) instead of
             transformers' loop, where the call's options allow it.
-        compile: the decode loop's verify forwards run through ``torch.compile(fullgraph=True)``
-            (the first call of each shape compiles; what ``cuda_graphs`` captures then is the
+        compile: the decode loop's verify forwards and the MTP head's in-round steps run
+            through ``torch.compile(fullgraph=True, dynamic=False)`` (one static graph per
+            bucket and window width, compiled on its first call; what ``cuda_graphs`` captures then is the
             compiled forward): ``True``, ``False``, or ``"auto"`` (the default): when the loop
             captures CUDA graphs (``cuda_graphs`` on a CUDA device), else eager
             (:meth:`compiles_on`).

@@ -4,11 +4,13 @@ transformers' names (``prompt_lookup_num_tokens``, ``assistant_model``, ``num_as
 
 from __future__ import annotations
 
+import numbers
+
 __all__ = ["check_draft_options"]
 
 
 def _count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"generate: {name}={value!r}; expected an int >= 1")
 
 
@@ -22,7 +24,7 @@ def check_draft_options(named: dict, setting) -> None:
 
     Raises:
         ValueError: ``prompt_lookup_num_tokens`` or ``num_assistant_tokens`` set to anything but
-            an int >= 1 (``0`` would silently decode without drafts, ``2.5`` draft 2);
+            an integer >= 1 (``0`` would mean no drafts, ``2.5`` two);
             ``assistant_model`` with ``prompt_lookup_num_tokens`` (transformers' loop would
             silently ignore the assistant and draft by prompt lookup). ``use_mtp`` with another
             drafter is refused by :func:`~ssm_spec.hf.mtp.calls.check_mtp_call`.

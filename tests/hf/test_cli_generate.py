@@ -105,7 +105,7 @@ def test_missing_model_path_exits_2(tmp_path):
     assert proc.stdout == ""
 
 
-@pytest.mark.hf_one_release  # the report's own rows; the CLI's runs on 5.25: the --check tests
+@pytest.mark.hf_one_release  # the report's own rows; the CLI's runs on the second release: the --check tests
 def test_output_reports_three_timings_and_the_random_weights_note():
     """The table has the three runs' tokens/s (median of --repeats calls), speed-ups that say
     which two runs they divide (and agree with the rows), and the torch thread count; the

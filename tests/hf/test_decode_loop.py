@@ -155,8 +155,9 @@ def test_options_the_loop_does_not_implement_run_transformers_loop_after_a_warni
 
 def test_drafts_for_several_rows_that_only_transformers_loop_could_run_are_refused_by_cause():
     """Right padding or ``output_scores`` with drafts on 2 rows: the loop cannot run them and
-    transformers' loop drafts one row only, so the error names the cause, not the row count
-    alone; without drafts the same call falls back with a warning."""
+    transformers' assisted loop drafts one row only, so the error names the cause, not the row
+    count alone; without drafts, or with beams (transformers ignores the drafts there), the call
+    falls back with a warning."""
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
     ids, mask = _batch(TEXTS[:2])
     right = torch.ones_like(mask)
@@ -168,6 +169,10 @@ def test_drafts_for_several_rows_that_only_transformers_loop_could_run_are_refus
                        output_scores=True, return_dict_in_generate=True)
     with pytest.warns(RuntimeWarning, match="right padding"):
         model.generate(ids, attention_mask=right, max_new_tokens=3, do_sample=False)
+    with pytest.warns(RuntimeWarning, match="num_beams"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, num_beams=2,
+                             prompt_lookup_num_tokens=3)
+    assert out.shape == (2, ids.shape[1] + 3)
 
 
 def test_an_empty_prompt_is_refused_clearly():
@@ -218,7 +223,7 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
     try:
         apply_recoverssm(graphed, cuda_graphs=False)
         # the eager forward, so that the host read meets the capture: compiled, dynamo's graph of
-        # this forward from the calls above ran in place of the patched method (seen on the H200)
+        # this forward from the calls above runs in place of the patched method
         apply_recoverssm(graphed, cuda_graphs=True, compile=False)
         with pytest.warns(RuntimeWarning, match="cannot be captured"):
             c = graphed.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False,
@@ -341,7 +346,7 @@ def _chi_square_p(counts: dict, law: dict, n: int) -> float:
     return float(torch.special.gammaincc(torch.tensor((len(o) - 1) / 2, dtype=torch.float64), stat / 2))
 
 
-@pytest.mark.hf_one_release  # the rule's law on 5.25: test_mtp.py's sampling test (the same acceptance)
+@pytest.mark.hf_one_release  # the rule's law on the second release: test_mtp.py's sampling test (the same acceptance)
 def test_speculative_sampling_is_distributed_as_plain_sampling():
     """The joint law of the first three new tokens under top-3 sampling, computed exactly from
     the model, against the loop's draws without drafts, with prompt lookup and with an assistant

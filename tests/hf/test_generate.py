@@ -206,9 +206,9 @@ def test_unconverted_gdn_assistant_is_refused():
 
 @pytest.mark.parametrize("decode_loop", [True, False])
 def test_draft_options_that_cannot_mean_what_they_say_are_refused(decode_loop):
-    """Draft counts that are not ints >= 1 (0 decoded without drafts, 2.5 drafted 2, "5" was taken)
-    and an assistant with prompt lookup (transformers drafts by lookup and ignores the
-    assistant) raise before anything runs, naming the option; in either loop."""
+    """Draft counts that are not integers >= 1 (0, 2.5, "5", True) and an assistant with prompt
+    lookup (transformers' loop would draft by lookup and ignore the assistant) raise before
+    anything runs, naming the option, in either loop; a numpy integer is a count."""
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0), decode_loop=decode_loop)
     draft = apply_recoverssm(tiny_model("qwen3_5", seed=1))
     for kw, words in [(dict(prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens=0;"),
@@ -220,6 +220,9 @@ def test_draft_options_that_cannot_mean_what_they_say_are_refused(decode_loop):
         with pytest.raises(ValueError, match=re.escape(words)):
             model.generate(_ids(), max_new_tokens=3, do_sample=False, **kw)
     assert model._recoverssm.loop is None and model._recoverssm.last_stats is None
+    import numpy as np
+
+    assert model.generate(_ids(), max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=np.int64(2)).shape[1] > 0
 
 
 def test_apply_recoverssm_refuses_what_is_not_a_model_or_a_switch():

@@ -116,8 +116,8 @@ def test_compiled_and_captured_loop_equals_plain_greedy(kind):
 
 def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile_limit(monkeypatch):
     """One compiled model, plain decoding then prompt lookup (two window widths), batch 3, with
-    dynamo's recompile limit at 1: every shape compiles its own static graph (a dynamic one
-    made after the second width gave other tokens) and the limit does not end the second."""
+    dynamo's recompile limit at 1: the second width compiles past the limit and both give the
+    eager loop's tokens (a dynamic graph for the second width once wrote wrong records)."""
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     texts = ["the cat sat on the mat. the cat sat on the", "a b c a b c a b", "hello hello world, hello"]

@@ -128,9 +128,9 @@ def test_bf16_tokens_agree_with_plain_greedy_up_to_the_first_near_tie(kind):
     """bf16 end to end (weights, activations and states): converted prompt lookup gives plain
     greedy's tokens up to the first near-tie of plain greedy's logits, a top-2 gap within 4 bf16
     ulps of the top logit (the layers round differently from transformers' own in bf16); the
-    position and gap are printed (measured 2026-12-01: Qwen3-Next parts at new token 67, gap 2^-6;
-    its MoE at 38, 2^-5; the Qwen3.5 VL text model at 115, a tie; Qwen3.5, Qwen3.5-MoE and the
-    Qwen3.5-MoE VL text model agree over all 128; 2026-12-02, transformers 5.24 on CPU)."""
+    position and gap are printed (measured on the CPU: Qwen3-Next parts at new token 67, gap
+    2^-6; its MoE at 38, 2^-5; the Qwen3.5 VL text model at 115, a tie; Qwen3.5, Qwen3.5-MoE and
+    the Qwen3.5-MoE VL text model agree over all 128)."""
     model = tiny_model(kind, seed=1).to(torch.bfloat16)
     plain = model.generate(PROMPT, max_new_tokens=128, do_sample=False, output_scores=True,
                            return_dict_in_generate=True)

@@ -53,10 +53,8 @@ class LoopModel:
         batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
         compile: verify forwards run through ``torch.compile(fullgraph=True, dynamic=False)``
             (inductor fuses what surrounds the ops; the prompt's prefill stays eager): one graph
-            per batch bucket and window width (the graph each shape's capture records; with
-            dynamo's automatic dynamic shapes a second width compiled a dynamic one, which,
-            before the pool's buffers were static to dynamo, wrote its records into the first
-            layer's: :class:`~ssm_spec.StatePool`).
+            per batch bucket and window width, the graph each shape's capture records (the
+            pool's buffers are static to dynamo as well: :class:`~ssm_spec.StatePool`).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, max_window: int, *, state_dtype=torch.float32,

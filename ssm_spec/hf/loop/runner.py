@@ -52,7 +52,8 @@ class DecodeLoop:
         pad_token_id: filler after a row's end.
         graphs: capture rounds as CUDA graphs (a CUDA model only).
         state_dtype / mode: the target's recurrent states.
-        compile: the target's verify forwards through ``torch.compile(fullgraph=True)``.
+        compile: the target's verify forwards through ``torch.compile(fullgraph=True,
+            dynamic=False)`` (:func:`~ssm_spec.hf.loop.forward.compiled`).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, drafter, scoring, sampling: bool, eos: torch.Tensor,
