@@ -124,7 +124,10 @@ class GraphCapture:
         if generator is not None:
             graph.register_generator_state(generator)
         try:
-            with torch.cuda.graph(graph, pool=self.mempool):
+            # thread_local: only this thread's unsafe calls end the capture; in "global" mode a
+            # call of another thread of the process (inductor's compile workers, once anything
+            # was compiled) can invalidate it
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 # read the allocator around fn alone: entering the capture may itself allocate outside
                 # the pool once per process (the graph-safe RNG's seed and offset tensors)
                 before = _active_blocks_outside(self.mempool)
