@@ -14,11 +14,11 @@ from torch import nn
 
 from .adapter import RecoverGDNAdapter
 from .cache import RecoverSSMCache
-from .config import DEFAULT_NUM_ASSISTANT_TOKENS, RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
+from .config import RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
 from .experts import capture_safe_experts
 from .fused_linear import fuse_shared_input_linears, unfuse_shared_input_linears
 from .graphed import SUPPORTED_ATTENTION
-from .draft_options import check_draft_options
+from .draft_options import check_draft_options, check_fallback, draft_length
 from .mtp.calls import check_mtp_call, load_head_for_apply
 from .placement import carry_hook, placement_problem
 
@@ -35,33 +35,6 @@ def has_unconverted_gdn(model: nn.Module) -> bool:
     replaced (read from the module tree: transformers 5.25 dropped the ``_is_stateful`` flag that
     older releases set on such models)."""
     return any(_is_hf_gdn(m) and not isinstance(m, RecoverGDNAdapter) for m in model.modules())
-
-
-def draft_length(generation_config, kwargs) -> int:
-    """The most tokens one ``generate`` call may need to roll back: the draft length.
-
-    ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (with a heuristic
-    schedule, which grows it, the generation budget); or, inside an assistant's own
-    ``generate`` (``is_assistant``), its ``max_new_tokens`` plus the two tokens it re-feeds each
-    round; 0 for plain decoding.
-    """
-    def get(name):
-        value = kwargs.get(name)
-        return getattr(generation_config, name, None) if value is None else value
-
-    assistant = kwargs.get("assistant_model")
-    if get("is_assistant"):
-        return int(get("max_new_tokens") or 0) + 2
-    if get("prompt_lookup_num_tokens"):
-        return int(get("prompt_lookup_num_tokens"))
-    if assistant is not None:
-        cfg = assistant.generation_config
-        k = int(getattr(cfg, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
-        if getattr(cfg, "num_assistant_tokens_schedule", "constant") != "constant":
-            # the heuristic schedules grow the draft after fully accepted rounds, up to the budget
-            k = max(k, int(get("max_new_tokens") or get("max_length") or 0))
-        return k
-    return 0
 
 
 def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None,
@@ -304,17 +277,9 @@ def _generate(self, *args, **kwargs):
                     raise ValueError(f"generate: use_mtp=True drafts inside ssm-spec's decode loop, and this call "
                                      f"needs transformers' loop ({exc})") from None
                 reason = str(exc)
-        prompt = _prompt(named)
-        rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
-        # transformers' assisted loop (greedy or sampling, one row) is where such a call would end;
-        # beams ignore the drafts there, and a custom_generate is the caller's own loop
-        assisted = (_setting(self, gen_config, named, "num_beams", 1) == 1 and reason != "custom_generate="
-                    and draft_length(gen_config, named) > 0)
-        if reason != ASSISTANT_CALL and rows > 1 and assisted:
-            raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
-                             f"loop, which would run it, drafts for one row only ({rows} rows here): left-pad the "
-                             "rows, drop the option, or call once per row")
         if reason != ASSISTANT_CALL:
+            check_fallback(reason, named, gen_config, lambda name, default: _setting(self, gen_config, named, name,
+                                                                                      default))
             warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
                           "loop does not implement it)", RuntimeWarning, stacklevel=3)
     k = draft_length(gen_config, named)

@@ -1,12 +1,16 @@
-"""The draft options of a converted model's ``generate`` call, checked before anything runs:
-transformers' names (``prompt_lookup_num_tokens``, ``assistant_model``, ``num_assistant_tokens``,
-``use_mtp``), one drafter per call."""
+"""The draft options of a converted model's ``generate`` call: transformers' names
+(``prompt_lookup_num_tokens``, ``assistant_model``, ``num_assistant_tokens``, ``use_mtp``),
+checked before anything runs (one drafter per call), and the draft length a call may roll back."""
 
 from __future__ import annotations
 
 import numbers
 
-__all__ = ["check_draft_options"]
+import torch
+
+from .config import DEFAULT_NUM_ASSISTANT_TOKENS
+
+__all__ = ["check_draft_options", "check_fallback", "draft_length"]
 
 
 def _count(name: str, value) -> None:
@@ -36,3 +40,49 @@ def check_draft_options(named: dict, setting) -> None:
     if named.get("assistant_model") is not None and setting("prompt_lookup_num_tokens", None) is not None:
         raise ValueError("generate: assistant_model and prompt_lookup_num_tokens: one drafter per call (an assistant, "
                          "prompt lookup or the MTP head)")
+
+
+def check_fallback(reason: str, named: dict, generation_config, setting) -> None:
+    """A call the decode loop hands to transformers' loop (``reason``: the option it does not
+    implement): refuse it where that loop would end in transformers' assisted path (greedy or
+    sampling with drafts) on more than one row, which it cannot draft for; beams ignore the
+    drafts there and a ``custom_generate`` is the caller's own loop, so those run.
+
+    Raises:
+        ValueError: naming ``reason`` and the row count.
+    """
+    prompt = named.get("input_ids") if named.get("inputs") is None else named.get("inputs")
+    rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
+    assisted = (setting("num_beams", 1) == 1 and reason != "custom_generate="
+                and draft_length(generation_config, named) > 0)
+    if rows > 1 and assisted:
+        raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
+                         f"loop, which would run it, drafts for one row only ({rows} rows here): left-pad the "
+                         "rows, drop the option, or call once per row")
+
+
+def draft_length(generation_config, kwargs) -> int:
+    """The most tokens one ``generate`` call may need to roll back: the draft length.
+
+    ``prompt_lookup_num_tokens``; or the assistant's ``num_assistant_tokens`` (with a heuristic
+    schedule, which grows it, the generation budget); or, inside an assistant's own
+    ``generate`` (``is_assistant``), its ``max_new_tokens`` plus the two tokens it re-feeds each
+    round; 0 for plain decoding.
+    """
+    def get(name):
+        value = kwargs.get(name)
+        return getattr(generation_config, name, None) if value is None else value
+
+    assistant = kwargs.get("assistant_model")
+    if get("is_assistant"):
+        return int(get("max_new_tokens") or 0) + 2
+    if get("prompt_lookup_num_tokens"):
+        return int(get("prompt_lookup_num_tokens"))
+    if assistant is not None:
+        cfg = assistant.generation_config
+        k = int(getattr(cfg, "num_assistant_tokens", None) or DEFAULT_NUM_ASSISTANT_TOKENS)
+        if getattr(cfg, "num_assistant_tokens_schedule", "constant") != "constant":
+            # the heuristic schedules grow the draft after fully accepted rounds, up to the budget
+            k = max(k, int(get("max_new_tokens") or get("max_length") or 0))
+        return k
+    return 0
