@@ -162,7 +162,7 @@ def random_head(model):
     weight = model.get_input_embeddings().weight
     head = MTPHead.for_model(model, num_layers=1, device=weight.device)
     with torch.no_grad():
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02)
     return head.to(weight.dtype).requires_grad_(False).eval()

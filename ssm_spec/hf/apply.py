@@ -278,8 +278,8 @@ def _generate(self, *args, **kwargs):
                                      f"needs transformers' loop ({exc})") from None
                 reason = str(exc)
         if reason != ASSISTANT_CALL:
-            check_fallback(reason, named, gen_config, lambda name, default: _setting(self, gen_config, named, name,
-                                                                                      default))
+            check_fallback(reason, _prompt(named), named, gen_config,
+                           lambda name, default: _setting(self, gen_config, named, name, default))
             warnings.warn(f"generate: {reason}: this call runs transformers' own decoding loop (ssm-spec's decode "
                           "loop does not implement it)", RuntimeWarning, stacklevel=3)
     k = draft_length(gen_config, named)

@@ -42,16 +42,15 @@ def check_draft_options(named: dict, setting) -> None:
                          "prompt lookup or the MTP head)")
 
 
-def check_fallback(reason: str, named: dict, generation_config, setting) -> None:
+def check_fallback(reason: str, prompt, named: dict, generation_config, setting) -> None:
     """A call the decode loop hands to transformers' loop (``reason``: the option it does not
-    implement): refuse it where that loop would end in transformers' assisted path (greedy or
+    implement; ``prompt``: the call's ``[B, P]`` token ids, or ``None``): refuse it where that loop would end in transformers' assisted path (greedy or
     sampling with drafts) on more than one row, which it cannot draft for; beams ignore the
     drafts there and a ``custom_generate`` is the caller's own loop, so those run.
 
     Raises:
         ValueError: naming ``reason`` and the row count.
     """
-    prompt = named.get("input_ids") if named.get("inputs") is None else named.get("inputs")
     rows = prompt.shape[0] if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 else 1
     assisted = (setting("num_beams", 1) == 1 and reason != "custom_generate="
                 and draft_length(generation_config, named) > 0)
