@@ -53,6 +53,20 @@ def host_syncs_raise():
             torch.cuda.set_sync_debug_mode(mode)
 
 
+def _release_generators(device, generator) -> None:
+    """After a capture that failed: give the device's default CUDA generator (and ``generator``)
+    a copy of its state (same seed and offset) that is not in capture mode. A capture registers
+    them as it begins and releases them at its end, after ``cudaStreamEndCapture``; when that
+    call fails (an invalidated capture), ``CUDAGraph.capture_end`` raises before the release, and
+    every later random draw outside a capture then fails ("Offset increment outside graph
+    capture encountered unexpectedly": an eager sampling round, or inductor timing a padded GEMM,
+    seen on the H200). Graphs captured before keep the state object they registered."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for gen in (torch.cuda.default_generators[index], generator):
+        if gen is not None:
+            gen.graphsafe_set_state(gen.clone_state())
+
+
 def _active_blocks_outside(pool_id) -> dict[int, int]:
     """``{address: size}`` of the caching allocator's allocated blocks that are not in ``pool_id``."""
     blocks = {}
@@ -136,6 +150,7 @@ class GraphCapture:
                 after = _active_blocks_outside(self.mempool)
         except RuntimeError as exc:
             torch.cuda.synchronize(self.device)
+            _release_generators(self.device, generator)
             raise CaptureError(f"{self.name}: capturing {what}: it synchronised with the host or ran an operation "
                                f"CUDA graphs cannot hold: {exc}{_where(exc)}") from exc
         new = {a: s for a, s in after.items() if a not in before}

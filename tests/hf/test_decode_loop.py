@@ -233,6 +233,10 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
     assert torch.equal(c, eager.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False,
                                          prompt_lookup_num_tokens=3))
     assert graphed._recoverssm.loop.eager_rounds > 0
+    # the failed capture released the random generator: draws outside a capture still work
+    torch.rand(4, device=device)
+    sampled = graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
+    assert sampled.shape[1] > ids.shape[1]
 
 
 #: Operations that read device values back on the host: a synchronisation a captured round
