@@ -1,11 +1,13 @@
 """Where the decode loop's time goes, part by part (CUDA only).
 
-Builds the model of ``bench_hf_generate.py``'s width options on the GPU, converts it with
-``cuda_graphs=True`` (``--compile``: with ``compile=False``, ``True`` or each in turn) and runs ``generate``
-through the decode loop, plain and with prompt lookup. One timed call per run is split with
-CUDA events recorded on the stream around the prompt's prefill and around every replay of the
-captured rounds (with ``--mtp-k K``, also ``use_mtp=True, num_assistant_tokens=K`` with a random
-one-layer MTP head: what a round of the head's drafts costs against a plain decode round):
+Builds the model of ``bench_hf_generate.py``'s width options on the GPU (or loads a trained pair:
+``--model demo``, its first held-out prompt, its draft and its checkpoint's MTP head), converts it
+with ``cuda_graphs=True`` (``--compile``: with ``compile=False``, ``True`` or each in turn) and runs
+``generate`` through the decode loop, plain, with prompt lookup (``--num-draft-tokens``) and, for a
+pair, with its draft. One timed call per run is split with CUDA events recorded on the stream
+around the prompt's prefill and around every replay of the captured rounds (with ``--mtp-k K``,
+also ``use_mtp=True, num_assistant_tokens=K``: the pair's own head, or a random one-layer MTP head
+of the width options: what a round of the head's drafts costs against a plain decode round):
 
 - ``prefill``: the prompt's forward (GPU time between its events);
 - ``rounds``: the replays' GPU time, per round and per token (a round's graph holds
@@ -15,9 +17,12 @@ one-layer MTP head: what a round of the head's drafts costs against a plain deco
 
 It also gives the decode forward's kernel time summed by the profiler (``kernels``), so a
 round's graph time over it is what the gaps between kernels and the round's own sampling,
-acceptance and commit add.
+acceptance and commit add; and (unless ``--no-parts``) a few rounds run eagerly and profiled
+part by part (draft steps, verify, acceptance, append, commit, the drafter's update, counters:
+``benchmarks/round_parts.py``).
 
     python scripts/loop_round_cost.py --kind qwen3_5 --hidden 2560 --layers 32 ... --new-tokens 128 --mtp-k 3
+    python scripts/loop_round_cost.py --model demo --dtype bfloat16 --new-tokens 256 --mtp-k 5 --compile on
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ def main(argv=None) -> int:
     from bench_hf_generate import parse_args
     from forward_timing import loop_forward_gpu_ms
     from hf_loop_runs import batch_prompt
-    from hf_runs import SENTENCE, device_model
+    from hf_runs import DTYPES, SENTENCE, device_model
+    from round_parts import round_parts
 
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
 
@@ -94,20 +100,39 @@ def main(argv=None) -> int:
     extra.add_argument("--mtp-k", type=int, default=None, metavar="K",
                        help="also use_mtp=True with K drafts, from a random one-layer MTP head (time only)")
     extra.add_argument("--json", default=None, metavar="PATH", help="also write the rows and ratios there")
+    extra.add_argument("--no-parts", dest="parts", action="store_false",
+                       help="skip the kernel time part by part of a few eager rounds (benchmarks/round_parts.py)")
     mine, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     device = torch.device("cuda")
-    model = device_model(args, device)
     tok = ByteTokenizer()
     new = args.new_tokens or 128
-    ids = batch_prompt(tok, SENTENCE, args.prompt_repeats or 3, 1, device)
-    runs = [("plain", {}), ("lookup", {"prompt_lookup_num_tokens": args.num_draft_tokens})]
+    k = args.num_draft_tokens
+    draft = None
+    if args.model:  # a trained pair (--model demo): its first held-out prompt, its draft, its own MTP head
+        from hf_demo import demo_paths, held_out_prompts
+
+        from ssm_spec.hf.cli_generate import _load_pretrained
+
+        target_dir, draft_dir, manifest = demo_paths(args.model, args.draft)
+        model = _load_pretrained(target_dir, "--model", DTYPES[args.dtype], device)
+        draft = _load_pretrained(draft_dir, "--draft", DTYPES[args.dtype], device)
+        text = held_out_prompts(manifest, 1, args.prompt_bytes)[0]["text"]
+        ids = torch.tensor([tok.encode(text)], device=device)
+    else:
+        model = device_model(args, device)
+        ids = batch_prompt(tok, SENTENCE, args.prompt_repeats or 3, 1, device)
+    runs = [("plain", {}), ("lookup", {"prompt_lookup_num_tokens": k})]
+    if draft is not None:
+        runs.append((f"draft k={k}", {"assistant_model": draft, "num_assistant_tokens": k}))
     if mine.mtp_k is not None:
         runs.append((f"mtp k={mine.mtp_k}", {"use_mtp": True, "num_assistant_tokens": mine.mtp_k}))
     rows = []
     for compile_ in {"off": (False,), "on": (True,), "both": (False, True)}[mine.compile]:
         apply_recoverssm(model, decode_loop=True, cuda_graphs=True, compile=compile_)
-        if mine.mtp_k is not None:
+        if draft is not None:
+            apply_recoverssm(draft, decode_loop=True, cuda_graphs=True, compile=compile_)
+        if mine.mtp_k is not None and not args.model:
             model._recoverssm.mtp = random_head(model)
         for name, kw in runs:
             t = time.perf_counter()
@@ -123,6 +148,8 @@ def main(argv=None) -> int:
             fwd_ms, kernels = fwd["ms"], fwd["kernels"]
             parts.update(run=("compiled " if compile_ else "") + name, tokens=produced, first_call_s=first,
                          kernels_ms=fwd_ms, kernels=kernels)
+            if mine.parts:
+                parts["round_parts"] = round_parts(model, ids, kw, new)
             rows.append(parts)
             print(parts, flush=True)
     print()
@@ -134,6 +161,8 @@ def main(argv=None) -> int:
               f"{per_round:8.3f} | {p['rounds']:6d} | {(p['tokens'] - 1) / max(p['rounds'], 1):9.2f} | "
               f"{per_round / p['kernels_ms']:13.2f} | {p['rest_ms'] / p['tokens']:8.3f} | "
               f"{p['kernels_ms']:.3f} ms ({p['kernels']})")
+    if mine.parts:
+        print_parts(rows)
     by_run = {p["run"]: p["rounds_ms"] / max(p["rounds"], 1) for p in rows}
     ratios = {}
     for run, per_round in by_run.items():
@@ -152,6 +181,22 @@ def main(argv=None) -> int:
                                                    rows=rows, round_over_plain_round=ratios,
                                                    environment=environment(device)), indent=1, default=str))
     return 0
+
+
+def print_parts(rows) -> None:
+    """Per run: kernels and kernel ms per round in each part, their total against the replayed
+    round's time (what the graph adds between kernels: the rest)."""
+    from round_parts import PARTS
+
+    names = [n for n in PARTS if any(n in p["round_parts"]["parts"] for p in rows)]
+    print()
+    print("kernel ms (kernels) per round, by part; replay: the captured round's time")
+    print(f"{'run':16s} | " + " | ".join(f"{n:>16s}" for n in names) + " |    total | replay")
+    for p in rows:
+        got = p["round_parts"]["parts"]
+        cells = [f"{got[n]['ms']:7.3f} ({got[n]['kernels']:5.0f})" if n in got else f"{'-':>16s}" for n in names]
+        replay = p["rounds_ms"] / max(p["rounds"], 1)
+        print(f"{p['run']:16s} | " + " | ".join(cells) + f" | {p['round_parts']['ms']:8.3f} | {replay:.3f}")
 
 
 def random_head(model):

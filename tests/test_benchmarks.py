@@ -437,3 +437,29 @@ def test_bench_hf_generate_demo_runs_convert_with_the_compile_option(monkeypatch
     with pytest.raises(Stop):
         hf_demo.run_demo(args)
     assert seen == [want]
+
+
+def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
+    """benchmarks/round_parts.py on the CPU (operators, not kernels): the profiled call's parts
+    include the verify, the append and the commit (and the drafter's for prompt lookup), and
+    the loop's rounds run as before afterwards (same tokens)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from round_parts import PARTS, round_parts
+
+    from ssm_spec.hf import apply_recoverssm, tiny_model
+
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=3), decode_loop=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    for kw, drafted in (({}, ()), ({"prompt_lookup_num_tokens": 2}, ("draft", "counters"))):
+        with torch.no_grad():
+            before = model.generate(ids, max_new_tokens=12, do_sample=False, **kw)
+        res = round_parts(model, ids, kw, 12, rounds=2, skip=1)
+        assert set(res["parts"]) <= set(PARTS)
+        for part in ("verify", "append", "commit", *drafted):
+            assert res["parts"][part]["kernels"] > 0, (kw, part, res["parts"])
+        assert res["kernels"] == sum(p["kernels"] for p in res["parts"].values())
+        assert res["rounds"] == (2 * 4 if not kw else 2)
+        with torch.no_grad():
+            assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, **kw), before)
+    with pytest.raises(ValueError, match="fewer than"):
+        round_parts(model, ids, {}, 2, skip=50)
