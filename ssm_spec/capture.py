@@ -53,18 +53,30 @@ def host_syncs_raise():
             torch.cuda.set_sync_debug_mode(mode)
 
 
-def _release_generators(device, generator) -> None:
-    """After a capture that failed: give the device's default CUDA generator (and ``generator``)
-    a copy of its state (same seed and offset) that is not in capture mode. A capture registers
-    them as it begins and releases them at its end, after ``cudaStreamEndCapture``; when that
-    call fails (an invalidated capture), ``CUDAGraph.capture_end`` raises before the release, and
-    every later random draw outside a capture then fails ("Offset increment outside graph
-    capture encountered unexpectedly": an eager sampling round, or inductor timing a padded GEMM,
-    seen on the H200). Graphs captured before keep the state object they registered."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    for gen in (torch.cuda.default_generators[index], generator):
-        if gen is not None:
-            gen.graphsafe_set_state(gen.clone_state())
+def _release_generators(generator) -> str:
+    """After a capture that failed: end the capture mode of the CUDA generators it registered
+    (the current device's default one and ``generator``) by capturing an empty graph with the
+    same generators. A capture registers them as it begins and releases them at its end, after
+    ``cudaStreamEndCapture``; when that call fails (an invalidated capture),
+    ``CUDAGraph.capture_end`` raises before the release, and with torch 2.12 and older (one
+    capture flag on the generator's state) every later draw outside a capture, and every replay
+    of a graph captured earlier that draws, then fails ("Offset increment outside graph capture
+    encountered unexpectedly", seen on the H200 with torch 2.11 when inductor timed a padded GEMM
+    after a failed capture). The empty capture sets and clears that flag on the same state
+    object, so the random stream stays one; with torch 2.13 (states kept per capture) it is
+    harmless. Returns ``""``, or what went wrong with it (never raised: the capture's own error
+    is the one to report)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "the CUDA graph is empty"
+            with torch.cuda.graph(graph):
+                pass
+        return ""
+    except RuntimeError as exc:
+        return f" (releasing the random generators after it failed too: {exc})"
 
 
 def _active_blocks_outside(pool_id) -> dict[int, int]:
@@ -149,10 +161,14 @@ class GraphCapture:
                     result = fn()
                 after = _active_blocks_outside(self.mempool)
         except RuntimeError as exc:
-            torch.cuda.synchronize(self.device)
-            _release_generators(self.device, generator)
+            after_failure = ""
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as sync_exc:  # a sticky device error: the capture's error stays the one raised
+                after_failure = f" (synchronising after it failed too: {sync_exc})"
+            after_failure += _release_generators(generator)
             raise CaptureError(f"{self.name}: capturing {what}: it synchronised with the host or ran an operation "
-                               f"CUDA graphs cannot hold: {exc}{_where(exc)}") from exc
+                               f"CUDA graphs cannot hold: {exc}{_where(exc)}{after_failure}") from exc
         new = {a: s for a, s in after.items() if a not in before}
         if new:
             raise CaptureError(f"{self.name}: capturing {what}: it allocated {len(new)} block(s), "

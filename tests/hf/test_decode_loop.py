@@ -217,6 +217,9 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
         assert torch.equal(a, b), kw
         loop = graphed._recoverssm.loop
         assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
+    graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
+    sampling = graphed._recoverssm.loop  # kept: its graph draws, and is replayed after the failed capture
+    assert sampling.graph is not None
     head = graphed.lm_head
     original = head.forward
     head.forward = lambda x: original(x) + 0 * float(x.sum())  # a host read inside the forward
@@ -233,8 +236,11 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
     assert torch.equal(c, eager.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False,
                                          prompt_lookup_num_tokens=3))
     assert graphed._recoverssm.loop.eager_rounds > 0
-    # the failed capture released the random generator: draws outside a capture still work
+    # the failed capture released the random generator: draws outside a capture, a graph
+    # captured before that draws, and a new sampling call all still work
     torch.rand(4, device=device)
+    sampling.graph.replay()
+    torch.cuda.synchronize(device)
     sampled = graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
     assert sampled.shape[1] > ids.shape[1]
 
