@@ -10,7 +10,8 @@ host interval; a kernel is counted in the innermost range that holds its start. 
   ``draft: head`` (the MTP head's layer applications) or ``draft: assistant`` (the
   assistant's forwards, their cache steps included);
 - ``verify``: the target's verify forward with its cache step and metadata;
-- ``accept``: the round's scores and acceptance (greedy, matching or rejection);
+- ``accept``: the round's scores and acceptance (greedy, matching or rejection; a plain round's
+  argmax or draw);
 - ``append``: the accepted tokens into each row, lengths and finished flags;
 - ``commit``: the target's RecoverSSM commit;
 - ``drafter update``: the drafter's own ``accept`` (an assistant's commit, the MTP head's pass
@@ -94,6 +95,7 @@ def _patch(loop, device):
     wrap(loop.rows, "append", "append")
     wrap(loop, "_count", "counters")
     wrap(loop, "scoring", "accept")
+    wrap(loop, "_choose", "accept")  # a plain round's next token
     for name in _ACCEPT:
         wrap(runner, name, "accept")
 
@@ -110,7 +112,7 @@ def _attribute(prof, device) -> dict:
     if device.type == "cuda":
         # kernels, copies and fills (not the ranges' own device-side annotations)
         work = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                and e.name not in PARTS and e.name != "round"]
+                and not getattr(e, "is_user_annotation", False) and e.name not in PARTS and e.name != "round"]
     else:  # top-level operators: those with no operator parent
         work = [e for e in events if e.name.startswith("aten::") and
                 (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
@@ -138,25 +140,37 @@ class _Eager:
 
 
 def round_parts(model, ids: torch.Tensor, kw: dict, new: int, rounds: int = 3, skip: int = 2) -> dict:
-    """Profile rounds ``skip .. skip + rounds - 1`` of one ``generate(ids, max_new_tokens=new,
-    do_sample=False, **kw)`` call on a converted model whose decode loop for that call already
-    exists (a warm-up call made it): its rounds run eagerly for this call, then its graph is put
-    back. Returns ``{"parts": {part: {"kernels": per round, "ms": per round (median)}},
-    "kernels": total per round, "ms": total per round, "rounds": profiled rounds}``; kernel
-    counts and ms are of CPU operators off CUDA."""
-    loop = model._recoverssm.loop
+    """Profile round batches ``skip .. skip + rounds - 1`` (``loop.per_graph`` rounds each: 4
+    for plain decoding, 1 with a drafter) of one ``generate(ids, max_new_tokens=new, **kw)`` call
+    (greedy unless ``kw`` says ``do_sample``) on a converted model whose decode loop for that
+    very call already exists: a warm-up call with the same ``ids``, ``kw`` and ``new`` made it.
+    Its rounds run eagerly for this call; then its graph and replay count are put back.
+
+    Returns ``{"parts": {part: {"kernels": per round, "ms": per round (median over the
+    batches)}}, "kernels": total per round, "ms": total per round, "rounds": profiled rounds,
+    "sequences": the call's output, "wall_s": the call's seconds}``; off CUDA the counts and ms
+    are of CPU operators.
+
+    Raises:
+        ValueError: the model has no decode loop yet, the call built another one (its ``kw`` or
+            ``new`` differ from the warm-up's), or it ran fewer than ``skip + 1`` round batches.
+    """
+    runtime = getattr(model, "_recoverssm", None)
+    loop = getattr(runtime, "loop", None)
+    if loop is None:
+        raise ValueError("round_parts: the model has no decode loop yet: make the same generate call once first")
     device = loop.rows.device
     # the loop replays ``loop.graph`` when it has one and captures when it has none: a stand-in
     # whose replay runs the rounds eagerly keeps it from capturing again
-    graph, loop.graph = loop.graph, _Eager(loop) if loop.graph is not None else None
-    original = loop._rounds
+    graph, replays = loop.graph, loop.replays
+    loop.graph = _Eager(loop) if graph is not None else None
     seen, profiles = [0], []
 
     def rounds_fn():
         i = seen[0]
         seen[0] += 1
         if not skip <= i < skip + rounds:
-            return original()
+            return type(loop)._rounds(loop)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -177,10 +191,13 @@ def round_parts(model, ids: torch.Tensor, kw: dict, new: int, rounds: int = 3, s
     t = time.perf_counter()
     try:
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+            sequences = model.generate(ids, max_new_tokens=new, **{"do_sample": False, **kw})
     finally:
-        loop._rounds = original
-        loop.graph = graph
+        del loop._rounds
+        loop.graph, loop.replays = graph, replays
+    if runtime.loop is not loop:
+        raise ValueError("round_parts: the call built another decode loop (its kw or max_new_tokens differ from "
+                         "the warm-up call's, or its prompt needs more columns): nothing was profiled")
     if not profiles:
         raise ValueError(f"round_parts: the call ran {seen[0]} round batches, fewer than skip + 1 = {skip + 1}")
     per = loop.per_graph
@@ -192,4 +209,4 @@ def round_parts(model, ids: torch.Tensor, kw: dict, new: int, rounds: int = 3, s
                            "ms": statistics.median(ms for _, ms in got) / per}
     return {"parts": parts, "kernels": sum(p["kernels"] for p in parts.values()),
             "ms": sum(p["ms"] for p in parts.values()), "rounds": len(profiles) * per,
-            "wall_s": time.perf_counter() - t}
+            "sequences": sequences, "wall_s": time.perf_counter() - t}

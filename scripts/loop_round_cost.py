@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     extra.add_argument("--compile", choices=("off", "on", "both"), default="off",
                        help="the loop with compile=False (off), compile=True (on) or each in turn (both)")
     extra.add_argument("--mtp-k", type=int, default=None, metavar="K",
-                       help="also use_mtp=True with K drafts, from a random one-layer MTP head (time only)")
+                       help="also use_mtp=True with K drafts: the --model checkpoint's own MTP head, else a random "
+                            "one-layer head of the width options (time only)")
     extra.add_argument("--json", default=None, metavar="PATH", help="also write the rows and ratios there")
     extra.add_argument("--no-parts", dest="parts", action="store_false",
                        help="skip the kernel time part by part of a few eager rounds (benchmarks/round_parts.py)")
@@ -110,11 +111,13 @@ def main(argv=None) -> int:
     k = args.num_draft_tokens
     draft = None
     if args.model:  # a trained pair (--model demo): its first held-out prompt, its draft, its own MTP head
-        from hf_demo import demo_paths, held_out_prompts
+        from hf_demo import demo_paths, held_out_prompts, mtp_missing
 
         from ssm_spec.hf.cli_generate import _load_pretrained
 
         target_dir, draft_dir, manifest = demo_paths(args.model, args.draft)
+        if mine.mtp_k is not None and (why := mtp_missing(target_dir)):
+            raise SystemExit(f"--mtp-k: {why}")
         model = _load_pretrained(target_dir, "--model", DTYPES[args.dtype], device)
         draft = _load_pretrained(draft_dir, "--draft", DTYPES[args.dtype], device)
         text = held_out_prompts(manifest, 1, args.prompt_bytes)[0]["text"]
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
             parts.update(run=("compiled " if compile_ else "") + name, tokens=produced, first_call_s=first,
                          kernels_ms=fwd_ms, kernels=kernels)
             if mine.parts:
-                parts["round_parts"] = round_parts(model, ids, kw, new)
+                parts["round_parts"] = {k: v for k, v in round_parts(model, ids, kw, new).items() if k != "sequences"}
             rows.append(parts)
             print(parts, flush=True)
     print()
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
 
         Path(mine.json).write_text(json.dumps(dict(args={k: v for k, v in vars(args).items()
                                                          if k not in ("out_dir", "compile")},
-                                                   script_args=dict(compile=mine.compile, mtp_k=mine.mtp_k),
+                                                   script_args=dict(compile=mine.compile, mtp_k=mine.mtp_k, parts=mine.parts),
                                                    rows=rows, round_over_plain_round=ratios,
                                                    environment=environment(device)), indent=1, default=str))
     return 0

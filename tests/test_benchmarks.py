@@ -441,8 +441,9 @@ def test_bench_hf_generate_demo_runs_convert_with_the_compile_option(monkeypatch
 
 def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
     """benchmarks/round_parts.py on the CPU (operators, not kernels): the profiled call's parts
-    include the verify, the append and the commit (and the drafter's for prompt lookup), and
-    the loop's rounds run as before afterwards (same tokens)."""
+    include the verify, the append and the commit (and the drafter's for prompt lookup), its
+    tokens and those of the loop's next call are the warm-up's, and a call that needs another
+    loop than the warm-up's is refused."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from round_parts import PARTS, round_parts
 
@@ -454,6 +455,8 @@ def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
         with torch.no_grad():
             before = model.generate(ids, max_new_tokens=12, do_sample=False, **kw)
         res = round_parts(model, ids, kw, 12, rounds=2, skip=1)
+        assert torch.equal(res["sequences"], before)
+        assert "_rounds" not in vars(model._recoverssm.loop)
         assert set(res["parts"]) <= set(PARTS)
         for part in ("verify", "append", "commit", *drafted):
             assert res["parts"][part]["kernels"] > 0, (kw, part, res["parts"])
@@ -462,4 +465,6 @@ def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
         with torch.no_grad():
             assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, **kw), before)
     with pytest.raises(ValueError, match="fewer than"):
-        round_parts(model, ids, {}, 2, skip=50)
+        round_parts(model, ids, {"prompt_lookup_num_tokens": 2}, 12, skip=50)
+    with pytest.raises(ValueError, match="another decode loop"):  # the warm-up made the lookup call's loop
+        round_parts(model, ids, {}, 12)
