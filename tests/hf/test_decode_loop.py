@@ -130,6 +130,32 @@ def test_the_loops_candidates_are_transformers_prompt_lookup_candidates():
     assert cases > 100  # most trials draft something
 
 
+def test_compiled_lookup_drafts_what_the_eager_lookup_drafts():
+    """``PromptLookup(compile=True)`` (what a compiled loop runs): the same drafts and counts as
+    the eager search on batches of ragged, left-padded rows with EOS tokens and short budgets
+    (one graph for every call of the bucket)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    gen = torch.Generator().manual_seed(1)
+    eos = torch.tensor([7])
+    eager, compiled = PromptLookup(4, 3, eos), PromptLookup(4, 3, eos, compile=True)
+    rows = Rows(4, 48, "cpu", pad_token_id=0)
+    drafted = 0
+    for trial in range(40):
+        pad = torch.randint(0, 8, (4,), generator=gen)
+        seq = torch.randint(0, 9, (4, 24), generator=gen)
+        seq[torch.arange(24)[None, :] < pad[:, None]] = 0
+        rows.load(seq, pad, max_new=int(torch.randint(1, 6, (1,), generator=gen)), min_new=0, min_length=0)
+        rows.produced.copy_(torch.randint(0, 3, (4,), generator=gen))
+        want, got = eager.propose(rows), compiled.propose(rows)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), trial
+        drafted += int(want[1].sum())
+    assert drafted > 40
+    assert dict(counters["stats"]).get("unique_graphs") == 1, dict(counters["stats"])
+
+
 def test_options_the_loop_does_not_implement_run_transformers_loop_after_a_warning():
     """``output_scores`` (and beams): one RuntimeWarning naming the option, then transformers'
     loop on the converted cache, with the same tokens."""

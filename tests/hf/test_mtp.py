@@ -381,8 +381,9 @@ def test_compiled_head_steps_stay_exact_in_one_graph_per_shape(checkpoint):
         _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
         runs[setting] = acceptance_stats(model)
         graphs = dict(counters["stats"]).get("unique_graphs", 0)
-    # compiled: the target's verify forward (W = 3), the head's step (L = 1) and its window pass (L = 3)
-    assert graphs == 3, dict(counters["stats"])
+    # compiled: the target's verify forward (W = 3), the head's step (L = 1) and its window pass (L = 3),
+    # the rows' append of the prefill's token (W = 1) and of a round's (W = 3), the counters
+    assert graphs == 6, dict(counters["stats"])
     assert runs[True].accepted == runs[False].accepted and runs[True].rounds == runs[False].rounds
 
 

@@ -183,7 +183,9 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
                           compile=recoverssm_config(model).compiles_on(device))
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:
-        return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos)
+        device = model.get_input_embeddings().weight.device
+        return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos,
+                            compile=recoverssm_config(model).compiles_on(device))
     if assistant is None:
         return None
     k = draft_tokens(assistant.generation_config)

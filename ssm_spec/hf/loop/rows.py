@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .forward import compiled
+
 __all__ = ["Rows"]
 
 
@@ -23,6 +25,8 @@ class Rows:
         device: where everything lives.
         pad_token_id: filler of unused columns (and of each row after it ends, as
             ``generate`` pads).
+        compile: :meth:`append` through ``torch.compile(fullgraph=True, dynamic=False)``
+            (integer operations only: the same tokens, its small kernels fused).
 
     Attributes (device tensors, updated in place so captured graphs see the current values):
         tokens: ``[B, capacity]`` int64.
@@ -34,7 +38,7 @@ class Rows:
             columns too, as transformers' ``min_length`` does).
     """
 
-    def __init__(self, batch_size: int, capacity: int, device, pad_token_id: int):
+    def __init__(self, batch_size: int, capacity: int, device, pad_token_id: int, compile: bool = False):
         self.batch_size, self.capacity, self.device = int(batch_size), int(capacity), torch.device(device)
         self.pad_token_id = int(pad_token_id)
         i64 = dict(dtype=torch.int64, device=self.device)
@@ -48,6 +52,7 @@ class Rows:
         self.min_new = torch.zeros(B, **i64)
         self.min_length = torch.zeros(B, **i64)
         self.columns = torch.arange(self.capacity, **i64)
+        self._append = compiled(self._write) if compile else self._write
 
     def load(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int) -> None:
         """Start the rows of ``prompt [b, P]`` (left padded by ``pad [b]``) in the first ``b`` rows;
@@ -86,6 +91,9 @@ class Rows:
         generated ones, stopping after an end-of-sequence token or at the row's budget; rows
         that reach either finish. Returns ``[B]`` int64, the tokens each row kept (0 for rows
         that were finished)."""
+        return self._append(emitted, count, eos)
+
+    def _write(self, emitted: torch.Tensor, count: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
         B, W = emitted.shape
         active = ~self.finished
         j = torch.arange(W, device=self.device)[None, :]

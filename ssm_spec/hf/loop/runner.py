@@ -21,7 +21,7 @@ import torch
 from ...capture import CaptureError, GraphCapture
 from ..cache import AcceptanceStats
 from .accept import accept_greedy, accept_matching, accept_rejection, draw
-from .forward import LoopModel
+from .forward import LoopModel, compiled
 from .rows import Rows
 
 __all__ = ["DecodeLoop", "MAX_ROUNDS_PER_READ", "PLAIN_ROUNDS_PER_GRAPH"]
@@ -52,8 +52,11 @@ class DecodeLoop:
         pad_token_id: filler after a row's end.
         graphs: capture rounds as CUDA graphs (a CUDA model only).
         state_dtype / mode: the target's recurrent states.
-        compile: the target's verify forwards through ``torch.compile(fullgraph=True,
-            dynamic=False)`` (:func:`~ssm_spec.hf.loop.forward.compiled`).
+        compile: the target's verify forwards, the rows' append and the acceptance counters
+            through ``torch.compile(fullgraph=True, dynamic=False)``
+            (:func:`~ssm_spec.hf.loop.forward.compiled`; the drafter's own parts by its own
+            setting). Scores and acceptance stay eager: an argmax over tied scores must pick
+            what plain greedy picks.
     """
 
     def __init__(self, model, batch_size: int, capacity: int, drafter, scoring, sampling: bool, eos: torch.Tensor,
@@ -67,7 +70,7 @@ class DecodeLoop:
         self.target = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode,
                                 compile=compile)
         device = self.target.cache.device
-        self.rows = Rows(batch_size, capacity, device, pad_token_id)
+        self.rows = Rows(batch_size, capacity, device, pad_token_id, compile=compile)
         self.graphs = graphs and device.type == "cuda"
         self.per_graph = 1 if drafter is not None else PLAIN_ROUNDS_PER_GRAPH
         self.graph = None
@@ -80,6 +83,8 @@ class DecodeLoop:
                          "offered": torch.zeros(k, **i64), "per_position": torch.zeros(k, **i64)}
         self.replays = 0
         self.eager_rounds = 0
+        # the acceptance counters: integer operations only, fused when the loop compiles
+        self._count_fn = compiled(self._add_counts) if compile else self._add_counts
 
     # ------------------------------------------------------------------ one round
     def _round(self) -> None:
@@ -118,6 +123,9 @@ class DecodeLoop:
         return draw(torch.softmax(scores, -1)) if self.sampling else scores.argmax(-1)
 
     def _count(self, active, num_drafts, a) -> None:
+        self._count_fn(active, num_drafts, a)
+
+    def _add_counts(self, active, num_drafts, a) -> None:
         c = self.counters
         act = active.to(torch.int64)
         pos = torch.arange(self.k, device=a.device)[None, :]
