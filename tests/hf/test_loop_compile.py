@@ -133,6 +133,22 @@ def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile
                            want), kw
 
 
+def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
+    """An assistant converted without options (``compile="auto"``, no graphs of its own) drafts
+    inside the target's round: its verify forwards compile when the target's loop does, and
+    stay eager when its own setting says ``compile=False``; tokens equal plain greedy either way."""
+    ids = torch.tensor([TOK.encode("the cat sat on the mat. the cat sat on the")])
+    want = tiny_model("qwen3_5", seed=7).generate(ids, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    target = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=True)
+    for setting, compiles in (("auto", True), (False, False)):
+        draft = apply_recoverssm(tiny_model("qwen3_5", seed=8), compile=setting)
+        out = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, num_assistant_tokens=1)
+        assert torch.equal(out, want), setting
+        lm = target._recoverssm.loop.drafter.model
+        assert (lm._verify_forward != lm._forward) == compiles, setting
+
+
 def test_compile_auto_compiles_where_the_loop_captures():
     """``compile="auto"`` (the default): compiled when the loop captures CUDA graphs (cuda_graphs
     on a CUDA device), eager elsewhere; an explicit setting wins; other values are refused."""

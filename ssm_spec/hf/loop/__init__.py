@@ -191,8 +191,14 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
     k = draft_tokens(assistant.generation_config)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
     device = assistant.get_input_embeddings().weight.device
-    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode,
-                                        compile=config.compiles_on(device))
+    # a converted assistant's forwards compile as its own setting says, and under "auto" (the
+    # default of apply_recoverssm, which an assistant converted without options has) as the
+    # target's loop does: its steps run inside the target's captured round, not with graphs of
+    # their own
+    target_compiles = recoverssm_config(model).compiles_on(model.get_input_embeddings().weight.device)
+    kw = {} if config is None else dict(
+        state_dtype=config.state_dtype, mode=config.mode,
+        compile=target_compiles if config.compile == "auto" else config.compile)
     return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
 
 

@@ -35,7 +35,8 @@ class AssistantDrafter:
         sampling: draw drafts from the assistant's distribution (kept for rejection sampling)
             instead of taking its argmax.
         state_dtype / mode / compile: the assistant's recurrent states and whether its verify
-            forwards are compiled (its own :class:`~ssm_spec.hf.RecoverSSMConfig`).
+            forwards are compiled (its own :class:`~ssm_spec.hf.RecoverSSMConfig`; under
+            ``compile="auto"`` the target loop's setting, whose captured round holds its steps).
     """
 
     def __init__(self, model, num_tokens: int, batch_size: int, capacity: int, scoring, sampling: bool, *,
