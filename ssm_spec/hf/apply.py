@@ -93,13 +93,15 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             ``RuntimeWarning`` naming the option (with drafts on several rows, which that loop
             cannot draft for, a ``ValueError`` instead). ``False``: always transformers' loop
             (with the converted cache). ``None`` keeps the current setting.
-        compile: ``True``: the decode loop's verify forwards and the MTP head's in-round
-            steps run through ``torch.compile(fullgraph=True, dynamic=False)`` (inductor; one
-            static graph per bucket and window width, compiled on its first call: on an H200 at
-            3.6 B parameters about 50 s for the decode step and 50-90 s for each verify width);
-            ``False`` runs them eagerly;
+        compile: ``True``: the decode loop's verify forwards, the MTP head's in-round steps
+            and the round's integer bookkeeping run through ``torch.compile(fullgraph=True,
+            dynamic=False)`` (inductor; one static graph per bucket and window width, compiled
+            on its first call: on an H200 at 3.6 B parameters about 90 s for a first plain call,
+            its capture included, and 35-50 s for each draft width); ``False`` runs them eagerly;
             ``"auto"`` (the default) compiles when the loop captures CUDA graphs
-            (``cuda_graphs=True`` on a CUDA device). ``None`` keeps the current setting.
+            (``cuda_graphs=True`` on a CUDA device), and on an assistant when the target loop
+            it drafts for compiles (one graph per draft width of its own). ``None`` keeps the
+            current setting.
         fused_projections: ``True`` (the default): sibling linears that read the same input
             run as one GEMM (:func:`~ssm_spec.hf.fused_linear.fuse_shared_input_linears`:
             GDN's input projections, attention's q/k/v, every MLP's gate/up, the shared

@@ -38,12 +38,14 @@ class RecoverSSMConfig:
         decode_loop: ``generate`` runs ssm-spec's own decode loop (plain decoding, prompt lookup
             and assistants at any batch size, docs/design.md section 7.7) instead of
             transformers' loop, where the call's options allow it.
-        compile: the decode loop's verify forwards and the MTP head's in-round steps run
-            through ``torch.compile(fullgraph=True, dynamic=False)`` (one static graph per
-            bucket and window width, compiled on its first call; what ``cuda_graphs`` captures then is the
-            compiled forward): ``True``, ``False``, or ``"auto"`` (the default): when the loop
-            captures CUDA graphs (``cuda_graphs`` on a CUDA device), else eager
-            (:meth:`compiles_on`).
+        compile: the decode loop's verify forwards, the MTP head's in-round steps and the
+            round's integer bookkeeping (prompt lookup's search, the rows' append, the
+            counters) run through ``torch.compile(fullgraph=True, dynamic=False)`` (one static
+            graph per bucket and window width, compiled on its first call; what ``cuda_graphs``
+            captures then is the compiled code): ``True``, ``False``, or ``"auto"`` (the
+            default): when the loop captures CUDA graphs (``cuda_graphs`` on a CUDA device),
+            else eager (:meth:`compiles_on`). An assistant's own ``"auto"`` follows the target
+            loop it drafts for.
         fused_projections: linears that read the same input run as one GEMM (GDN's input
             projections, attention's q/k/v, each MLP's gate/up;
             :mod:`ssm_spec.hf.fused_linear`); parameter names, values and ``save_pretrained``

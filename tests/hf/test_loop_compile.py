@@ -114,12 +114,11 @@ def test_compiled_and_captured_loop_equals_plain_greedy(kind):
             assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
 
 
-def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile_limit(monkeypatch):
+def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile_limit():
     """One compiled model, plain decoding then prompt lookup (two window widths), batch 3, with
     dynamo's recompile limit at 1: the second width compiles past the limit and both give the
     eager loop's tokens (a dynamic graph for the second width once wrote wrong records)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     texts = ["the cat sat on the mat. the cat sat on the", "a b c a b c a b", "hello hello world, hello"]
     enc = [TOK.encode(t) for t in texts]
     P = max(map(len, enc))
@@ -127,26 +126,39 @@ def test_compiled_calls_of_other_widths_keep_the_eager_tokens_past_the_recompile
     mask = torch.tensor([[0] * (P - len(e)) + [1] * len(e) for e in enc])
     compiled = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=True)
     eager = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=False)
-    for kw in ({}, {"prompt_lookup_num_tokens": 3}):
-        want = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw)
-        assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw),
-                           want), kw
+    # dynamo's own patch, not pytest's monkeypatch: undoing that one deletes the setting, which
+    # dynamo's config then hides from every later call in the process
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+            want = eager.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw)
+            assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **kw),
+                               want), kw
+    assert torch._dynamo.config.recompile_limit == 8
+    loop = compiled._recoverssm.loop  # the lookup call's: its search and bookkeeping compiled too
+    assert loop.drafter._search is not type(loop.drafter)._propose and loop.rows._append is not type(loop.rows)._write
+    assert eager._recoverssm.loop.drafter._search is type(loop.drafter)._propose
 
 
 def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     """An assistant converted without options (``compile="auto"``, no graphs of its own) drafts
     inside the target's round: its verify forwards compile when the target's loop does, and
-    stay eager when its own setting says ``compile=False``; tokens equal plain greedy either way."""
+    otherwise as its own setting says (``compile=False``: eager, ``True``: compiled under an
+    eager target); tokens equal plain greedy each time."""
     ids = torch.tensor([TOK.encode("the cat sat on the mat. the cat sat on the")])
     want = tiny_model("qwen3_5", seed=7).generate(ids, max_new_tokens=6, do_sample=False)
     torch._dynamo.reset()
     target = apply_recoverssm(tiny_model("qwen3_5", seed=7), compile=True)
-    for setting, compiles in (("auto", True), (False, False)):
-        draft = apply_recoverssm(tiny_model("qwen3_5", seed=8), compile=setting)
+    draft = apply_recoverssm(tiny_model("qwen3_5", seed=8))
+    # (target's setting, assistant's setting, the assistant compiles); the same assistant object
+    # throughout: a changed setting of either builds another loop
+    for target_setting, setting, compiles in ((True, "auto", True), (True, False, False), (False, "auto", False),
+                                               (False, True, True)):
+        apply_recoverssm(target, compile=target_setting)
+        apply_recoverssm(draft, compile=setting)
         out = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, num_assistant_tokens=1)
-        assert torch.equal(out, want), setting
+        assert torch.equal(out, want), (target_setting, setting)
         lm = target._recoverssm.loop.drafter.model
-        assert (lm._verify_forward != lm._forward) == compiles, setting
+        assert (lm._verify_forward != lm._forward) == compiles, (target_setting, setting)
 
 
 def test_compile_auto_compiles_where_the_loop_captures():

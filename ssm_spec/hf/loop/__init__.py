@@ -217,7 +217,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
             transformers' loop).
         ValueError: an empty prompt; MTP drafts asked for and no head loaded.
     """
-    from ..config import recoverssm_config
+    from ..config import is_converted, recoverssm_config
 
     processors = list(logits_processor or [])
     name = unsupported_processor(processors)
@@ -253,6 +253,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
     key_base = (bucket, scoring.key(), sampling, tuple(eos.tolist()), pad_id, config, weight.dtype,
                 torch.is_inference_mode_enabled(), tuple(p.data_ptr() for p in model.parameters()),
                 None if ssm_assistant is None else tuple(p.data_ptr() for p in ssm_assistant.parameters()),
+                recoverssm_config(ssm_assistant) if ssm_assistant is not None and is_converted(ssm_assistant) else None,
                 getattr(generation_config, "prompt_lookup_num_tokens", None),
                 getattr(generation_config, "max_matching_ngram_size", None),
                 None if ssm_assistant is None else draft_tokens(ssm_assistant.generation_config),

@@ -46,14 +46,15 @@ class PromptLookup:
             raise ValueError(f"prompt lookup: prompt_lookup_num_tokens={num_tokens}, max_matching_ngram_size="
                              f"{max_ngram}; expected >= 1")
         self.eos = eos
-        self._search = compiled(self._propose) if compile else self._propose
+        self._search = compiled(PromptLookup._propose) if compile else PromptLookup._propose  # no cycle
 
     def key(self) -> tuple:
         return ("lookup", self.k, self.max_ngram, int(self.eos.numel()))
 
     def propose(self, rows):
         """``(drafts [B, k] int64, num_drafts [B] int64, None)`` for every row of ``rows``."""
-        drafts, count = self._search(rows.tokens, rows.start, rows.produced, rows.pad, rows.max_new, rows.columns)
+        drafts, count = self._search(self, rows.tokens, rows.start, rows.produced, rows.pad, rows.max_new,
+                                     rows.columns)
         return drafts, count, None
 
     def _propose(self, tokens, start, produced, pad, max_new, cols):

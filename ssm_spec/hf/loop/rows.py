@@ -52,7 +52,7 @@ class Rows:
         self.min_new = torch.zeros(B, **i64)
         self.min_length = torch.zeros(B, **i64)
         self.columns = torch.arange(self.capacity, **i64)
-        self._append = compiled(self._write) if compile else self._write
+        self._append = compiled(Rows._write) if compile else Rows._write  # a function of (self, ...): no cycle
 
     def load(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int) -> None:
         """Start the rows of ``prompt [b, P]`` (left padded by ``pad [b]``) in the first ``b`` rows;
@@ -91,7 +91,7 @@ class Rows:
         generated ones, stopping after an end-of-sequence token or at the row's budget; rows
         that reach either finish. Returns ``[B]`` int64, the tokens each row kept (0 for rows
         that were finished)."""
-        return self._append(emitted, count, eos)
+        return self._append(self, emitted, count, eos)
 
     def _write(self, emitted: torch.Tensor, count: torch.Tensor, eos: torch.Tensor | None) -> torch.Tensor:
         B, W = emitted.shape

@@ -84,7 +84,7 @@ class DecodeLoop:
         self.replays = 0
         self.eager_rounds = 0
         # the acceptance counters: integer operations only, fused when the loop compiles
-        self._count_fn = compiled(self._add_counts) if compile else self._add_counts
+        self._count_fn = compiled(DecodeLoop._add_counts) if compile else DecodeLoop._add_counts
 
     # ------------------------------------------------------------------ one round
     def _round(self) -> None:
@@ -123,7 +123,7 @@ class DecodeLoop:
         return draw(torch.softmax(scores, -1)) if self.sampling else scores.argmax(-1)
 
     def _count(self, active, num_drafts, a) -> None:
-        self._count_fn(active, num_drafts, a)
+        self._count_fn(self, active, num_drafts, a)
 
     def _add_counts(self, active, num_drafts, a) -> None:
         c = self.counters
