@@ -37,6 +37,8 @@ __all__ = ["round_parts", "PARTS"]
 #: The parts in the order a round runs them (nested ones after their parent).
 PARTS = ("draft", "draft: head", "draft: assistant", "verify", "accept", "append", "commit", "drafter update",
          "drafter update: head", "counters", "other")
+#: Ranges inside a part, reported as ``"<part>: <name>"``.
+_SUBPARTS = ("head", "assistant")
 _ACCEPT = ("accept_greedy", "accept_matching", "accept_rejection")
 
 
@@ -68,25 +70,11 @@ def _patch(loop, device):
 
     d = loop.drafter
     if d is not None:
-        if hasattr(d, "_apply_in_round"):  # the MTP head; its applications in propose and accept
-            original = d._apply_in_round
-            in_draft = {"on": False}
-            head_in_draft = _ranged(original, "draft: head", device)
-            head_in_update = _ranged(original, "drafter update: head", device)
-            d._apply_in_round = lambda *a, **k: (head_in_draft if in_draft["on"] else head_in_update)(*a, **k)
-            undo.append(lambda: setattr(d, "_apply_in_round", original))
-            propose = d.propose
-
-            def flagged(*a, **k):
-                in_draft["on"] = True
-                try:
-                    return propose(*a, **k)
-                finally:
-                    in_draft["on"] = False
-            d.propose = flagged
-            undo.append(lambda: delattr(d, "propose"))
+        # sub-parts: named after the part whose range holds them (_attribute)
+        if hasattr(d, "_apply_in_round"):  # the MTP head's applications, in propose and in accept
+            wrap(d, "_apply_in_round", "head")
         if hasattr(d, "model") and hasattr(d.model, "verify"):  # an assistant's LoopModel
-            wrap(d.model, "verify", "draft: assistant")
+            wrap(d.model, "verify", "assistant")
         wrap(d, "propose", "draft")
         if hasattr(d, "accept"):
             wrap(d, "accept", "drafter update")
@@ -108,11 +96,12 @@ def _patch(loop, device):
 def _attribute(prof, device) -> dict:
     """``{part: (count, ms)}`` of one profiled round (module docstring)."""
     events = list(prof.events())
-    ranges = [e for e in events if e.name in PARTS or e.name == "round"]
+    names = {*PARTS, *_SUBPARTS, "round"}
+    ranges = [e for e in events if e.name in names]
     if device.type == "cuda":
         # kernels, copies and fills (not the ranges' own device-side annotations)
         work = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                and not getattr(e, "is_user_annotation", False) and e.name not in PARTS and e.name != "round"]
+                and not getattr(e, "is_user_annotation", False) and e.name not in names]
     else:  # top-level operators: those with no operator parent
         work = [e for e in events if e.name.startswith("aten::") and
                 (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
@@ -122,8 +111,11 @@ def _attribute(prof, device) -> dict:
         holders = [r for r in ranges if r.time_range.start <= start <= r.time_range.end]
         if not holders:
             continue
-        inner = min(holders, key=lambda r: r.time_range.end - r.time_range.start)
+        holders.sort(key=lambda r: r.time_range.end - r.time_range.start)  # innermost first
+        inner = holders[0]
         part = "other" if inner.name == "round" else inner.name
+        if inner.name in _SUBPARTS:
+            part = f"{next(r.name for r in holders if r.name not in _SUBPARTS)}: {inner.name}"
         n, ms = out.get(part, (0, 0.0))
         out[part] = (n + 1, ms + w.time_range.elapsed_us() / 1e3)
     return out

@@ -177,28 +177,24 @@ def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring
     from ..config import recoverssm_config
     from ..config import is_converted
 
+    compiles = recoverssm_config(model).compiles_on(model.get_input_embeddings().weight.device)
     if head is not None:
-        device = model.get_input_embeddings().weight.device
         return MTPDrafter(model, head, draft_tokens(generation_config), bucket, capacity, scoring, sampling,
-                          compile=recoverssm_config(model).compiles_on(device))
+                          compile=compiles)
     k = getattr(generation_config, "prompt_lookup_num_tokens", None)
     if k:
-        device = model.get_input_embeddings().weight.device
         return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos,
-                            compile=recoverssm_config(model).compiles_on(device))
+                            compile=compiles)
     if assistant is None:
         return None
     k = draft_tokens(assistant.generation_config)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
-    device = assistant.get_input_embeddings().weight.device
     # a converted assistant's forwards compile as its own setting says, and under "auto" (the
     # default of apply_recoverssm, which an assistant converted without options has) as the
     # target's loop does: its steps run inside the target's captured round, not with graphs of
     # their own
-    target_compiles = recoverssm_config(model).compiles_on(model.get_input_embeddings().weight.device)
-    kw = {} if config is None else dict(
-        state_dtype=config.state_dtype, mode=config.mode,
-        compile=target_compiles if config.compile == "auto" else config.compile)
+    kw = {} if config is None else dict(state_dtype=config.state_dtype, mode=config.mode,
+                                        compile=compiles if config.compile == "auto" else config.compile)
     return AssistantDrafter(assistant, k, bucket, capacity, scoring, sampling, **kw)
 
 

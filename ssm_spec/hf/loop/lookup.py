@@ -53,24 +53,24 @@ class PromptLookup:
 
     def propose(self, rows):
         """``(drafts [B, k] int64, num_drafts [B] int64, None)`` for every row of ``rows``."""
-        drafts, count = self._search(self, rows.tokens, rows.start, rows.produced, rows.pad, rows.max_new,
-                                     rows.columns)
+        drafts, count = self._search(self, rows)
         return drafts, count, None
 
-    def _propose(self, tokens, start, produced, pad, max_new, cols):
-        N = tokens.shape[1]
-        end = start + produced  # each row's sequence is columns pad .. end - 1
-        length = end - pad
+    def _propose(self, rows):
+        tokens, N = rows.tokens, rows.capacity
+        end = rows.start + rows.produced  # each row's sequence is columns pad .. end - 1
+        length = end - rows.pad
+        cols = rows.columns
         best = torch.full_like(end, -1)  # first column of the chosen continuation
         for n in range(self.max_ngram, 0, -1):
             last = tokens.gather(1, (end[:, None] - n + torch.arange(n, device=tokens.device)[None, :]).clamp(0, N - 1))
             win = tokens.unfold(1, n, 1)  # [B, N - n + 1, n]: window s holds columns s .. s + n - 1
             s = cols[: N - n + 1]
-            valid = (win == last[:, None, :]).all(-1) & (s[None, :] >= pad[:, None]) & (
+            valid = (win == last[:, None, :]).all(-1) & (s[None, :] >= rows.pad[:, None]) & (
                 s[None, :] + n < end[:, None]) & (length[:, None] - 1 >= n)
             first = torch.where(valid, s[None, :], torch.full_like(s[None, :], N)).amin(1)
             best = torch.where((best < 0) & (first < N), first + n, best)
-        found = (best >= 0) & (max_new - produced > 1)
+        found = (best >= 0) & (rows.max_new - rows.produced > 1)
         j = torch.arange(self.k, device=tokens.device)[None, :]
         take = (best.clamp_min(0)[:, None] + j).clamp_max(N - 1)
         drafts = tokens.gather(1, take)
@@ -79,6 +79,6 @@ class PromptLookup:
             is_eos = (drafts[..., None] == self.eos).any(-1)
             first_eos = torch.where(is_eos, j, torch.full_like(j, self.k)).amin(1)
             count = torch.minimum(count, first_eos)
-        last_token = tokens.gather(1, (end - 1).clamp(0, N - 1)[:, None])  # each row's last generated token
-        drafts = torch.where(j < count[:, None], drafts, last_token.expand_as(drafts))
+        filler = rows.last_token()[:, None].expand_as(drafts)
+        drafts = torch.where(j < count[:, None], drafts, filler)
         return drafts, count
