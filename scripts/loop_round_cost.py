@@ -152,7 +152,8 @@ def main(argv=None) -> int:
             parts.update(run=("compiled " if compile_ else "") + name, tokens=produced, first_call_s=first,
                          kernels_ms=fwd_ms, kernels=kernels)
             if mine.parts:
-                parts["round_parts"] = {k: v for k, v in round_parts(model, ids, kw, new).items() if k != "sequences"}
+                parts["round_parts"] = {key: v for key, v in round_parts(model, ids, kw, new).items()
+                                        if key != "sequences"}
             rows.append(parts)
             print(parts, flush=True)
     print()
