@@ -72,7 +72,7 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
     rows.load(prompt, torch.zeros(batch, dtype=torch.int64, device=device), max_new=width + 4, min_new=0,
               min_length=0)
     with torch.no_grad():
-        target.prefill(rows, prompt_len, [prompt_len] * batch)
+        target.prefill(rows, prompt_len)
         rows.produced.fill_(1)
         columns = rows.window_columns(width)
         tokens = rows.window_tokens(columns)

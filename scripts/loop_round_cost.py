@@ -9,7 +9,8 @@ around the prompt's prefill and around every replay of the captured rounds (with
 also ``use_mtp=True, num_assistant_tokens=K``: the pair's own head, or a random one-layer MTP head
 of the width options: what a round of the head's drafts costs against a plain decode round):
 
-- ``prefill``: the prompt's forward (GPU time between its events);
+- ``prefill``: the prompt's part of the call (the target's prefill, the first token, the drafter's
+  start: one replay of its captured graph, or the eager calls; GPU time between its events);
 - ``rounds``: the replays' GPU time, per round and per token (a round's graph holds
   ``per_graph`` rounds: 4 plain ones, 1 speculative one);
 - ``rest``: the call's wall time minus both (host reads between batches of rounds, the
@@ -53,21 +54,25 @@ class _TimedGraph:
 def split_call(model, ids, kw, new):
     """One timed ``generate`` split into prefill / rounds / rest (ms), with the loop's counts."""
     loop = model._recoverssm.loop
-    target = loop.target
     rounds, prefill = [], []
-    original_prefill = target.prefill
+    captured_prompt, eager_prompt = loop._prefill_graph, loop._begin
 
-    def timed_prefill(*args, **kwargs):
+    def timed_graph(width):
+        graph = captured_prompt(width)
+        return None if graph is None else _TimedGraph(graph, prefill)
+
+    def timed_begin(width):
+        if torch.cuda.is_current_stream_capturing():
+            return eager_prompt(width)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        out = original_prefill(*args, **kwargs)
+        eager_prompt(width)
         b.record()
         prefill.append((a, b))
-        return out
 
     graph = loop.graph
     loop.graph = _TimedGraph(graph, rounds)
-    target.prefill = timed_prefill
+    loop._prefill_graph, loop._begin = timed_graph, timed_begin
     try:
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -76,7 +81,7 @@ def split_call(model, ids, kw, new):
         wall = (time.perf_counter() - t) * 1e3
     finally:
         loop.graph = graph
-        del target.prefill
+        del loop._prefill_graph, loop._begin
     pre = sum(a.elapsed_time(b) for a, b in prefill)
     rnd = sum(a.elapsed_time(b) for a, b in rounds)
     return out, dict(wall_ms=wall, prefill_ms=pre, rounds_ms=rnd, rest_ms=wall - pre - rnd,

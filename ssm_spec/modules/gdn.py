@@ -14,7 +14,7 @@ from torch import nn
 
 from ..metadata import RecoverSSMMetadata, group_prefill_rows
 from ..pools import ConvStateSpec, GDNStateSpec, StatePool
-from .prefill import gdn_prefill_row, gdn_prefill_rows_batched, uses_fla
+from .prefill import conv_prefill_rows, gdn_prefill_row, gdn_prefill_rows, gdn_prefill_rows_batched, uses_fla
 from .short_conv import check_inference, run_short_conv
 from .tensor_parallel import all_reduce_, shard_gdn_, tp_share
 
@@ -241,6 +241,63 @@ class RecoverGatedDeltaNet(nn.Module):
         dev = state.device  # a pool spread over devices: this layer's states, plans and metadata live here
         with pool.launch_guard(dev):  # a no-op context on a pool on one device
             return self._step(hidden, metadata, pool, state, dev)
+
+    def prefill_padded(self, hidden: torch.Tensor, valid: torch.Tensor, pool: StatePool,
+                       slots: torch.Tensor) -> torch.Tensor:
+        """Prefill ``B`` left-padded rows of ``L`` columns from the zero state with fixed shapes
+        and no host reads, so a CUDA graph holds it (the decode loop's prefill, docs/design.md
+        section 7.7); :meth:`forward`'s prefill rows need a host plan per row instead.
+
+        Args:
+            hidden: ``[B, L, hidden]`` float32/bfloat16/float16.
+            valid: ``[B, L]`` bool, the row's real tokens; ``False`` columns come before them
+                (left padding; a row without real tokens ends with zero states). A padding column
+                changes no state: its conv input is zeroed (the row's first real tokens see the
+                zero conv history of a fresh row) and its ``beta`` and log decay are 0 (the
+                recurrent state passes it unchanged).
+            pool: the :class:`~ssm_spec.StatePool` holding this layer's states, on one device.
+            slots: ``[B]`` int32/int64, where each row's final recurrent and conv states go.
+
+        Returns:
+            ``[B, L, hidden]`` in ``hidden``'s dtype: each real column's output, zeros at padding
+            columns. Each row gets what :meth:`forward` gives a prefill row of its real tokens,
+            up to rounding (the projections' GEMMs and fla's chunks see other shapes).
+
+        Raises:
+            ValueError: ``valid`` or ``slots`` of another shape than ``hidden``'s rows and columns;
+                grad mode with tensors that require grad. Raised before anything is written.
+        """
+        check_inference("RecoverGatedDeltaNet", hidden, self)
+        B, L, D = hidden.shape
+        if tuple(valid.shape) != (B, L) or valid.dtype != torch.bool:
+            raise ValueError(f"RecoverGatedDeltaNet.prefill_padded: valid has shape {tuple(valid.shape)} and dtype "
+                             f"{valid.dtype}; expected ({B}, {L}) bool, as hidden's rows and columns")
+        if tuple(slots.shape) != (B,):
+            raise ValueError(f"RecoverGatedDeltaNet.prefill_padded: slots has shape {tuple(slots.shape)}; "
+                             f"expected ({B},), one slot per row of hidden")
+        HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
+        keep = valid.reshape(B * L, 1)
+        mixed, z, b, a = self.project(hidden.reshape(B * L, D))
+        mixed = mixed.masked_fill(~keep, 0)
+        conv_state = pool.conv_state(self)
+        history = conv_state.new_zeros((B, *conv_state.shape[1:]))
+        conv_out, conv_final = conv_prefill_rows(mixed.view(B, L, -1), self.conv1d.weight[:, 0], self.conv1d.bias,
+                                                 history, 1, "silu")
+        q, k, v, g, beta = self.gates(conv_out.reshape(B * L, -1), a, b)
+        g = g.masked_fill(~keep, 0)
+        beta = beta.masked_fill(~keep, 0)
+        state = pool.gdn_state(self)
+        init = state.new_zeros((B, *state.shape[1:]), dtype=torch.float32)
+        core, final = gdn_prefill_rows(q.view(B, L, *q.shape[1:]), k.view(B, L, *k.shape[1:]),
+                                       v.view(B, L, HV, V), g.view(B, L, HV), beta.view(B, L, HV), init, K**-0.5)
+        index = slots.long()
+        state[index] = final.to(state.dtype)
+        conv_state[index] = conv_final.to(conv_state.dtype)
+        core = core.reshape(B * L, HV, V).masked_fill(~keep[:, :, None], 0).to(v.dtype)
+        out = self.output(core, z)
+        if self.tp_group is not None:  # row-parallel out_proj: the ranks' partial sums
+            all_reduce_(out, self.tp_group)
+        return out.masked_fill(~keep, 0).view(B, L, D)
 
     def _step(self, hidden, metadata, pool, state, dev):
         protocol = pool.protocol

@@ -63,6 +63,24 @@ def gdn_prefill_rows_batched(q, k, v, g, beta, initial_states, scale):
     return res.out, res.states
 
 
+def gdn_prefill_rows(q, k, v, g, beta, initial_states, scale):
+    """The prefill of ``R`` rows of one length at once, each row on its own (no varlen packing,
+    no host reads: a CUDA graph holds it): ``q, k [R, L, H, K]``, ``v [R, L, HV, V]``,
+    ``g, beta [R, L, HV]``, ``initial_states [R, HV, K, V]`` fp32.
+
+    On CUDA with fla-core (head dims >= 16) one batched ``chunk_gated_delta_rule`` call (rows
+    as its batch dimension); otherwise :func:`gdn_prefill_rows_batched`.
+
+    Returns ``(out [R, L, HV, V] fp32, final_states [R, HV, K, V] fp32)``.
+    """
+    if uses_fla(q, v):
+        q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+        out, final = _fla_chunk()(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_states.float(),
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out.float(), final.float()
+    return gdn_prefill_rows_batched(q, k, v, g, beta, initial_states, scale)
+
+
 def gdn_prefill_row(q, k, v, g, beta, initial_state, boundaries, scale):
     """The whole row, split at ``boundaries`` (offsets, ascending).
 

@@ -103,6 +103,31 @@ def test_min_new_tokens_holds_eos_back_inside_the_window(device):
         _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_run_wider_gives_every_row_its_own_greedy(device, kind, monkeypatch):
+    """Under CUDA graphs the loop runs a prompt at a rounded-up width (more left padding, so that
+    prompts of similar lengths share a captured prefill); forced here on any device, 13 columns
+    wider: plain decoding, prompt lookup and an assistant give every row its own greedy, and
+    ``min_length`` still counts the call's own prompt columns."""
+    monkeypatch.setattr(DecodeLoop, "prompt_width", lambda self, P: P + 13)
+    ref = tiny_model(kind, seed=4).to(device)
+    model = apply_recoverssm(tiny_model(kind, seed=4).to(device), cuda_graphs=device.type == "cuda")
+    ids, mask = _batch(TEXTS[:3], device)
+    own = _own(ref, TEXTS[:3], 25, device)
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": _noisy_twin(kind, 4, device)}):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False, **kw)
+        _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
+        assert int(model._recoverssm.loop.rows.start[0]) == ids.shape[1] + 13
+    P = len(TOK.encode(TEXTS[0]))
+    eos = int(own[0][2])
+    held = _own(ref, TEXTS[:1], 20, device, eos_token_id=eos, min_length=P + 9)
+    assert len(held[0]) > 3  # min_length held the early end-of-sequence back
+    ids, mask = _batch(TEXTS[:1], device)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos,
+                         min_length=P + 9, prompt_lookup_num_tokens=3)
+    _check_rows(out, P, held, TOK.pad_token_id)
+
+
 def test_the_loops_candidates_are_transformers_prompt_lookup_candidates():
     """On random sequences with repeats (several n-gram sizes, matches near the end, an EOS
     inside a continuation, one token of budget left), the loop proposes exactly the drafts of
@@ -229,7 +254,8 @@ def test_calls_of_other_batch_sizes_and_drafts_reuse_or_rebuild_the_kept_loop(de
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
-    """On CUDA: the captured rounds give the eager loop's tokens for every drafter (batch 3); a
+    """On CUDA: the captured rounds and prompt parts give the eager loop's tokens for every drafter
+    (batch 3; the prompt run 64 columns wide, the eager loop's at its own width); a
     model whose forward reads a value back on the host cannot be captured: one RuntimeWarning,
     then the same rounds run eagerly, with the same tokens."""
     device = torch.device("cuda")
@@ -243,6 +269,7 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
         assert torch.equal(a, b), kw
         loop = graphed._recoverssm.loop
         assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
+        assert loop.prefill_failed is None and list(loop.prefill_graphs) == [64], kw  # the prompt's part captured
     graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
     sampling = graphed._recoverssm.loop  # kept: its graph draws, and is replayed after the failed capture
     assert sampling.graph is not None
@@ -305,7 +332,7 @@ def _host_ops_of(fn) -> dict:
 
 
 def test_a_round_reads_nothing_back_and_makes_no_tensor_from_host_data():
-    """Every drafter's round, with EOS held back by ``min_new_tokens`` and with sampling's warpers,
+    """Every drafter's round and prompt part (prefill, first token, the drafter's start), with EOS held back by ``min_new_tokens`` and with sampling's warpers,
     dispatches no operation that synchronises on CUDA (a CPU check of what the CUDA capture
     refuses: ``mask[eos] = True`` once copied a host scalar to the device in every round)."""
     ids, mask = _batch(TEXTS[:2])
@@ -319,6 +346,8 @@ def test_a_round_reads_nothing_back_and_makes_no_tensor_from_host_data():
         loop = model._recoverssm.loop
         assert loop.scoring.masks_eos, kw
         assert _host_ops_of(loop._rounds) == {}, kw
+        width = ids.shape[1]
+        assert _host_ops_of(lambda: loop._begin(width)) == {}, kw  # the prompt's part, captured per width
 
 
 def test_streamer_gets_the_prompt_then_every_token():

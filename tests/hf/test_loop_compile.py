@@ -33,7 +33,7 @@ def _load(target, rows):
     prompt[1:, :3] = TOK.pad_token_id
     rows.load(prompt, pad, max_new=20, min_new=0, min_length=0)
     with torch.no_grad():
-        target.prefill(rows, 10, (10 - pad).tolist())
+        target.prefill(rows, 10)
     rows.produced.fill_(1)
 
 

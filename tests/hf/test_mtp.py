@@ -277,14 +277,20 @@ def _forced_acceptance(counter):
     return accept
 
 
-@pytest.mark.parametrize("kind,sharded", [("qwen3_next", False), ("qwen3_5", True), ("qwen3_next_moe", True),
-                                          ("qwen3_5_moe", False), ("qwen3_5_vl", False)])
-def test_the_drafters_logits_are_the_published_heads(kind, sharded, checkpoint, monkeypatch):
+@pytest.mark.parametrize("kind,sharded,widen", [("qwen3_next", False, 0), ("qwen3_5", True, 7),
+                                                ("qwen3_next_moe", True, 0), ("qwen3_5_moe", False, 0),
+                                                ("qwen3_5_vl", False, 5)])
+def test_the_drafters_logits_are_the_published_heads(kind, sharded, widen, checkpoint, monkeypatch):
     """Left-padded rows of three lengths, ``k = 3``, acceptance forced to every count from 0 to 3:
     at every round, each row's draft logits equal the float64 reference head's on that row alone
-    (the target's own hidden states after its final norm, the drafts fed back)."""
+    (the target's own hidden states after its final norm, the drafts fed back). ``widen``: the
+    loop runs the prompt that many columns wider (more left padding), as it does under CUDA
+    graphs to share a captured prefill."""
     from ssm_spec.hf.loop import mtp as mtp_module
     from ssm_spec.hf.loop import runner
+
+    if widen:
+        monkeypatch.setattr(runner.DecodeLoop, "prompt_width", lambda self, P: P + widen)
 
     path, tensors = checkpoint(kind, sharded)
     model = apply_recoverssm(_load(path, kind))
@@ -313,6 +319,7 @@ def test_the_drafters_logits_are_the_published_heads(kind, sharded, checkpoint, 
     ids, mask = _batch(TEXTS)
     model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, use_mtp=True, num_assistant_tokens=3)
     assert len(records) >= 3 and counter[0] == len(records)
+    assert int(model._recoverssm.loop.rows.start[0]) == ids.shape[1] + widen
     checked, worst = 0, 0.0
     for tokens, last, pad, finished, drafts, logits in records:
         for b in range(len(TEXTS)):

@@ -19,7 +19,7 @@ from .accept import Scoring, unsupported_processor
 from .assistant import AssistantDrafter
 from .lookup import PromptLookup
 from .mtp import MTPDrafter
-from .runner import DecodeLoop
+from .runner import DecodeLoop, prompt_width
 
 __all__ = ["ASSISTANT_CALL", "LoopFallback", "blocker", "loop_generate", "custom_generate_for", "bucket_for", "CAPACITY_ROUND",
            "DecodeLoop", "PromptLookup", "AssistantDrafter", "MTPDrafter", "Scoring", "draft_tokens",
@@ -242,7 +242,7 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 draft_tokens(ssm_assistant.generation_config)
                 if ssm_assistant is not None else 0,
                 draft_tokens(generation_config) if head is not None else 0)
-    need = P + max_new + k_max + 2
+    need = prompt_width(P, bool(config.cuda_graphs) and device.type == "cuda") + max_new + k_max + 2
     capacity = -(-need // CAPACITY_ROUND) * CAPACITY_ROUND
     scoring = Scoring(processors, eos)
     weight = model.get_input_embeddings().weight

@@ -51,10 +51,10 @@ class AssistantDrafter:
     def key(self) -> tuple:
         return ("assistant", id(self.model.model), self.k, self.sampling)
 
-    def start(self, rows, width: int, lengths: list[int]) -> None:
-        """After the prompt: feed each row's prompt but its last token (``width`` = P - 1 columns,
-        ``lengths[b]`` real ones)."""
-        self.model.prefill(rows, width, [max(0, n - 1) for n in lengths])
+    def start(self, rows, width: int) -> None:
+        """After the prompt: feed each row's prompt but its last token (``width``: the prompt's
+        columns minus one)."""
+        self.model.prefill(rows, width)
 
     def propose(self, rows):
         """``(drafts [B, k], num_drafts [B], probs [B, k, V] or None)``."""

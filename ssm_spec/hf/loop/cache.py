@@ -123,7 +123,7 @@ class LoopCache(DynamicCache):
             self.pool = StatePool(self.adapters, num_slots=self.num_rows, max_tokens=self.num_rows * self.max_window,
                                   dtype=state_dtype, conv_dtype=weight.dtype, device=self.device, mode=mode)
         self._slots = torch.arange(self.num_rows, dtype=torch.int32, device=self.device)
-        self._step = None  # ("prefill", metadata, packed-token index) or ("verify", metadata)
+        self._step = None  # ("prefill", valid columns [B, L]) or ("verify", metadata)
 
     # ------------------------------------------------------------------ steps
     def reset_states(self) -> None:
@@ -136,22 +136,13 @@ class LoopCache(DynamicCache):
         for layer in self.attention_layers:
             layer.columns = columns
 
-    def prefill_step(self, lengths: list[int], columns: torch.Tensor) -> None:
-        """The next forward prefills each row's last ``lengths[b]`` tokens of its ``L`` columns
-        (left padding before them) from the zero state: host lengths, one plan per forward."""
+    def prefill_step(self, columns: torch.Tensor, valid: torch.Tensor) -> None:
+        """The next forward prefills every row's ``L`` columns from the zero state; ``valid [B, L]``
+        bool marks each row's real tokens (left padding and padding rows ``False``). On the device,
+        no host read: the converted layers run
+        :meth:`~ssm_spec.RecoverGatedDeltaNet.prefill_padded`."""
         self.set_columns(columns)
-        B, L = columns.shape
-        if self.pool is None:
-            self._step = None
-            return
-        real = [b for b in range(B) if lengths[b] > 0]
-        md = None
-        index = None
-        if real:
-            md = RecoverSSMMetadata.build([lengths[b] for b in real], [True] * len(real), [0] * len(real), real,
-                                          num_slots=self.num_rows, device=self.device)
-            index = torch.cat([b * L + torch.arange(L - lengths[b], L) for b in real]).to(self.device)
-        self._step = ("prefill", md, index)
+        self._step = None if self.pool is None else ("prefill", valid)
 
     def verify_step(self, metadata: RecoverSSMMetadata, columns: torch.Tensor) -> None:
         """The next forward verifies every row's window from its slot (``metadata``: built on the
@@ -181,12 +172,7 @@ class LoopCache(DynamicCache):
         B, L, D = hidden.shape
         if self._step[0] == "verify":
             return adapter.engine_forward(hidden.reshape(B * L, D), self._step[1], self.pool).view(B, L, D)
-        _, md, index = self._step
-        out = torch.zeros_like(hidden)
-        if md is not None:  # only each row's real tokens: the padding never enters a state
-            flat = hidden.reshape(B * L, D)
-            out.view(B * L, D)[index] = adapter.engine_forward(flat[index], md, self.pool)
-        return out
+        return adapter.prefill_padded(hidden, self._step[1], self.pool, self._slots)
 
     # ------------------------------------------------------------------ transformers' cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:

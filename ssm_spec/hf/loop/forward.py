@@ -52,7 +52,7 @@ class LoopModel:
         model: the Hugging Face causal LM (converted, or without GatedDeltaNet layers).
         batch_size / capacity / max_window / state_dtype / mode: its :class:`LoopCache`'s.
         compile: verify forwards run through ``torch.compile(fullgraph=True, dynamic=False)``
-            (inductor fuses what surrounds the ops; the prompt's prefill stays eager): one graph
+            (inductor fuses what surrounds the ops; the prompt's prefill is not compiled): one graph
             per batch bucket and window width, the graph each shape's capture records (the
             pool's buffers are static to dynamo as well: :class:`~ssm_spec.StatePool`).
     """
@@ -87,17 +87,19 @@ class LoopModel:
         out = type(self.model).forward(self.model, logits_to_keep=keep, **kwargs, **{self.key: self.cache})
         return out.logits
 
-    def prefill(self, rows, width: int, lengths: list[int], hidden: bool = False):
-        """Feed each row's first ``width`` columns from the zero state (``lengths[b]``: the row's
-        real tokens among them, after its padding); returns the last column's logits
-        ``[B, 1, V]`` (``None`` when ``width`` is 0: nothing to feed), and with ``hidden`` the
-        final-norm hidden states of every column, ``(logits, [B, width, H])``."""
+    def prefill(self, rows, width: int, hidden: bool = False):
+        """Feed each row's first ``width`` columns from the zero state: its real tokens are those
+        from ``rows.pad[b]`` on (padding rows, ``rows.finished``, have none). Returns the last
+        column's logits ``[B, 1, V]`` (``None`` when ``width`` is 0: nothing to feed), and with
+        ``hidden`` the final-norm hidden states of every column, ``(logits, [B, width, H])``.
+        Fixed shapes and no host reads: a CUDA graph holds it (one per width)."""
         self.cache.reset_states()
         if width == 0:
             return (None, None) if hidden else None
         B = rows.batch_size
         columns = rows.columns[:width][None, :].expand(B, width)
-        self.cache.prefill_step(lengths, columns)
+        valid = (columns >= rows.pad[:, None]) & ~rows.finished[:, None]
+        self.cache.prefill_step(columns, valid)
         return self._forward(rows.tokens[:, :width], columns, rows.pad, keep=1, hidden=hidden)
 
     def verify(self, tokens: torch.Tensor, columns: torch.Tensor, rows, active: torch.Tensor, hidden: bool = False):

@@ -124,9 +124,10 @@ class MTPDrafter:
         mask = row_mask(self._arange, columns, pad, self.sdpa, self.dtype)
         return self.head(self.embed(tokens), hidden, rotary, mask, positions, self.kv, step)
 
-    def start(self, rows, width: int, lengths: list[int], hidden: torch.Tensor) -> None:
+    def start(self, rows, width: int, hidden: torch.Tensor) -> None:
         """After the prompt (columns ``0 .. P - 1``, the first new token at ``P``): the head over
-        the prompt's pairs, from the prefill's hidden states ``hidden [B, P, H]``."""
+        the prompt's pairs, from the prefill's hidden states ``hidden [B, P, H]`` (``width``:
+        ``P - 1``, as an assistant's start gets it)."""
         self._rows = rows
         B, P = hidden.shape[:2]
         columns = rows.columns[:P][None, :].expand(B, P)

@@ -2,7 +2,8 @@
 
 Row ``b`` of a batch bucket holds its prompt in columns ``0 .. P - 1`` of the token buffer, left
 padded (``pad[b]`` padding columns first), and its ``produced[b]`` generated tokens from column
-``P`` on. Its last generated token, not yet fed to the target, is at column
+``P`` on. ``P`` is the loop's prompt width: the call's prompt columns, or more when the loop
+rounds widths up so that captured prefills are shared (the extra columns are more left padding). Its last generated token, not yet fed to the target, is at column
 ``P + produced[b] - 1``. Rows past the real ones, and rows that have finished, are padding rows:
 nothing they compute is kept.
 """
@@ -31,7 +32,7 @@ class Rows:
     Attributes (device tensors, updated in place so captured graphs see the current values):
         tokens: ``[B, capacity]`` int64.
         pad: ``[B]`` int64 left-padding columns of each row.
-        start: ``[B]`` int64, ``P`` (the prompt's columns) in every row.
+        start: ``[B]`` int64, ``P`` (the prompt width) in every row.
         produced: ``[B]`` int64 tokens generated.
         finished: ``[B]`` bool (padding rows are finished from the start).
         max_new / min_new / min_length: ``[B]`` int64 budgets (``min_length`` counts the prompt's
@@ -54,21 +55,32 @@ class Rows:
         self.columns = torch.arange(self.capacity, **i64)
         self._append = compiled(Rows._write) if compile else Rows._write  # a function of (self, ...): no cycle
 
-    def load(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int) -> None:
-        """Start the rows of ``prompt [b, P]`` (left padded by ``pad [b]``) in the first ``b`` rows;
-        the rest become padding rows."""
+    def load(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int,
+             width: int | None = None) -> None:
+        """Start the rows of ``prompt [b, P]`` (left padded by ``pad [b]``) in the first ``b`` rows,
+        right-aligned in ``width`` columns (default ``P``; more columns are more left padding);
+        the rest become padding rows. ``min_length`` counts ``P`` prompt columns, as
+        transformers' ``min_length`` does.
+
+        Raises:
+            ValueError: ``width`` below ``P``.
+        """
         b, P = prompt.shape
+        width = P if width is None else int(width)
+        if width < P:
+            raise ValueError(f"Rows.load: width={width} is below the prompt's {P} columns")
+        shift = width - P
         self.tokens.fill_(self.pad_token_id)
-        self.tokens[:b, :P] = prompt
+        self.tokens[:b, shift:width] = prompt
         self.pad.zero_()
-        self.pad[:b] = pad
-        self.start.fill_(P)
+        self.pad[:b] = pad + shift
+        self.start.fill_(width)
         self.produced.zero_()
         self.finished.fill_(True)
         self.finished[:b] = False
         self.max_new.fill_(max_new)
         self.min_new.fill_(min_new)
-        self.min_length.fill_(min_length)
+        self.min_length.fill_(min_length + shift)
 
     def window_columns(self, width: int, back: int = 1) -> torch.Tensor:
         """``[B, width]`` columns of a window that starts ``back`` columns before the next new

@@ -1,6 +1,10 @@
 """The decode loop itself: a round on the device, captured as one CUDA graph per bucket and
 drafter, replayed several times between host reads (docs/design.md section 7.7).
 
+A call begins with the prompt: the target's prefill of every row from the zero state, the first
+new token, the drafter's start (an assistant's prefill, the MTP head's pass over the prompt);
+captured too, one graph per prompt width (:func:`prompt_width`).
+
 A round: the drafter's proposals (none for plain decoding), the target's verify forward of
 ``k + 1`` tokens per row from its kept state, the scores and acceptance, the tokens appended to
 each row (stopping at end-of-sequence tokens and budgets), the target's RecoverSSM commit of the
@@ -24,12 +28,23 @@ from .accept import accept_greedy, accept_matching, accept_rejection, draw
 from .forward import LoopModel, compiled
 from .rows import Rows
 
-__all__ = ["DecodeLoop", "MAX_ROUNDS_PER_READ", "PLAIN_ROUNDS_PER_GRAPH"]
+__all__ = ["DecodeLoop", "MAX_ROUNDS_PER_READ", "PLAIN_ROUNDS_PER_GRAPH", "PREFILL_WIDTH_ROUND", "prompt_width"]
 
 #: The most rounds the host queues before it reads whether every row has finished.
 MAX_ROUNDS_PER_READ = 64
 #: Plain decoding (no drafter) captures this many one-token rounds in one graph.
 PLAIN_ROUNDS_PER_GRAPH = 4
+#: With CUDA graphs a prompt's width is rounded up to a multiple of this many columns (more left
+#: padding), so prompts of similar lengths share one captured prefill (fla's chunk length).
+PREFILL_WIDTH_ROUND = 64
+
+
+def prompt_width(prompt_columns: int, graphs: bool) -> int:
+    """The loop's prompt width for a prompt of ``prompt_columns``: rounded up to
+    :data:`PREFILL_WIDTH_ROUND` when prefills are captured (``graphs``), else unchanged."""
+    if not graphs:
+        return int(prompt_columns)
+    return -(-int(prompt_columns) // PREFILL_WIDTH_ROUND) * PREFILL_WIDTH_ROUND
 
 
 class DecodeLoop:
@@ -75,6 +90,9 @@ class DecodeLoop:
         self.per_graph = 1 if drafter is not None else PLAIN_ROUNDS_PER_GRAPH
         self.graph = None
         self.failed: str | None = None  # why capture was given up (the rounds then run eagerly)
+        #: captured prompt parts (:meth:`_begin`) by prompt width
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_failed: str | None = None  # why prefill capture was given up (prefills then run eagerly)
         self._capture = GraphCapture(device, "decode loop") if self.graphs else None
         k = max(self.k, 1)
         i64 = dict(dtype=torch.int64, device=device)
@@ -161,34 +179,80 @@ class DecodeLoop:
             warnings.warn(f"decode loop: a round cannot be captured as a CUDA graph; running it eagerly. {exc}",
                           RuntimeWarning, stacklevel=4)
 
+    # ------------------------------------------------------------------ the prompt
+    def _begin(self, width: int) -> None:
+        """The prompt's part of a call, for every row: the target's prefill of the first ``width``
+        columns, the first new token, the drafter's start. No host reads: one graph per width."""
+        rows = self.rows
+        if self.needs_hidden:
+            logits, hidden = self.target.prefill(rows, width, hidden=True)
+        else:
+            logits = self.target.prefill(rows, width)
+        rows.append(self._choose(self.scoring(logits, rows)), torch.ones_like(rows.produced), self.eos)
+        if self.needs_hidden:
+            self.drafter.start(rows, width - 1, hidden=hidden)
+        elif self.drafter is not None and hasattr(self.drafter, "start"):
+            self.drafter.start(rows, width - 1)
+
+    def prompt_width(self, prompt_columns: int) -> int:
+        """The width this loop runs a prompt of ``prompt_columns`` at (:func:`prompt_width`)."""
+        return prompt_width(prompt_columns, self.graphs and self.prefill_failed is None)
+
+    def _prefill_graph(self, width: int):
+        """The captured :meth:`_begin` of ``width`` (captured now, on padding rows, if it is new);
+        ``None`` without graphs or after a prefill capture failed (then it runs eagerly)."""
+        if not self.graphs or self.prefill_failed is not None:
+            return None
+        graph = self.prefill_graphs.get(width)
+        if graph is not None:
+            return graph
+        self.rows.finished.fill_(True)
+        try:
+            self._begin(width)  # unchecked first, as for the rounds (autotuners, lazy buffers)
+            torch.cuda.synchronize(self.rows.device)
+            self._capture.warmup(lambda: self._begin(width), what=f"a prompt's prefill ({width} columns)")
+            graph, _ = self._capture.capture(lambda: self._begin(width), what=f"a prompt's prefill ({width} columns)")
+        except CaptureError as exc:  # loud: the prefills then run eagerly, the rounds stay captured
+            self.prefill_failed = str(exc)
+            warnings.warn(f"decode loop: a prompt's prefill cannot be captured as a CUDA graph; running prefills "
+                          f"eagerly. {exc}", RuntimeWarning, stacklevel=4)
+            return None
+        self.prefill_graphs[width] = graph
+        return graph
+
     # ------------------------------------------------------------------ a call
     def run(self, prompt: torch.Tensor, pad: torch.Tensor, max_new: int, min_new: int, min_length: int,
             streamer=None) -> tuple[torch.Tensor, AcceptanceStats | None]:
         """Generate for the rows of ``prompt [b, P]`` (``b`` <= the bucket; left padded by
         ``pad [b]``). Returns ``(sequences [b, P + new], stats)`` as ``generate`` returns them
-        (rows that end early padded with the pad id)."""
+        (rows that end early padded with the pad id).
+
+        Raises:
+            ValueError: the prompt's width (:meth:`prompt_width`), ``max_new`` and a window do not
+                fit the buffers' capacity.
+        """
         rows = self.rows
         b, P = prompt.shape
         self._ensure_graph()
+        width = self.prompt_width(P)
+        if width + max_new + self.k + 2 > rows.capacity:
+            raise ValueError(f"decode loop: a prompt of {P} columns (run at {width}) and {max_new} new tokens do "
+                             f"not fit the loop's {rows.capacity} columns")
+        graph = self._prefill_graph(width)
+        width = self.prompt_width(P)  # unrounded again if that capture failed
         for t in self.counters.values():
             t.zero_()
-        rows.load(prompt, pad, max_new, min_new, min_length)
-        lengths = (P - pad).tolist() + [0] * (rows.batch_size - b)
-        if self.needs_hidden:
-            logits, hidden = self.target.prefill(rows, P, lengths, hidden=True)
+        rows.load(prompt, pad, max_new, min_new, min_length, width)
+        if graph is not None:
+            graph.replay()
         else:
-            logits = self.target.prefill(rows, P, lengths)
-        rows.append(self._choose(self.scoring(logits, rows)), torch.ones_like(rows.produced), self.eos)
-        if self.needs_hidden:
-            self.drafter.start(rows, P - 1, lengths, hidden=hidden)
-        elif self.drafter is not None and hasattr(self.drafter, "start"):
-            self.drafter.start(rows, P - 1, lengths)
+            self._begin(width)
         sent = 0
         while True:
             done = bool(rows.finished[:b].all())
             produced = rows.produced[:b].tolist()
             if streamer is not None and b == 1 and produced[0] > sent:
-                streamer.put(rows.tokens[0, P + sent:P + produced[0]].cpu())
+                streamer.put(rows.tokens[0, width + sent:width + produced[0]].cpu())
                 sent = produced[0]
             if done:
                 break
@@ -201,7 +265,7 @@ class DecodeLoop:
                 else:
                     self._rounds()
                     self.eager_rounds += self.per_graph
-        sequences = rows.tokens[:b, :P + max(produced)].clone()
+        sequences = rows.tokens[:b, width - P:width + max(produced)].clone()
         return sequences, self._stats()
 
     def _stats(self) -> AcceptanceStats | None:
