@@ -9,7 +9,10 @@ and each row count ``M`` this times
 - ``inductor_gemv``: ``torch.compile`` of the product written as a broadcast multiply and a sum
   over the input dimension (inductor emits one Triton reduction kernel: a GEMV);
 - ``max_autotune`` (``--autotune``): ``torch.compile(F.linear, mode="max-autotune-no-cudagraphs")``,
-  inductor choosing among cuBLAS and its Triton GEMM templates by timing them.
+  inductor choosing among cuBLAS and its Triton GEMM templates by timing them;
+- ``triton_splitk``: the split-K Triton GEMV of ``splitk_gemv.py``, the fastest of its
+  ``CONFIGS`` for each shape and ``M`` (its tile and split count recorded; not for the LM head,
+  whose cuBLAS GEMV already runs at the copy bandwidth).
 
 Each is timed as a CUDA graph of ``--calls`` calls cycling over enough copies of the weight
 that none is read from L2 twice (so launch gaps are the graph's, as in a captured decode step);
@@ -33,6 +36,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results  # noqa: E402
 from forward_timing import copy_bandwidth  # noqa: E402
+from splitk_gemv import CONFIGS, MAX_ROWS, splitk_gemv  # noqa: E402
+
+#: The split-K candidate is swept for weights up to this many bytes (not the LM head's 1.3 GB).
+SPLITK_MAX_BYTES = 256e6
 
 #: (name, out_features, in_features) at the 3.6 B Qwen3.5 width of bench_hf_generate.py
 #: (hidden 2560, GDN 16 key / 32 value heads of 128, attention 16 / 4 heads of 256, MLP 9216).
@@ -83,6 +90,25 @@ def _graph_us(fn, xs, ws, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def _splitk_best(xs, ws, calls: int, reps: int):
+    """``(us, config)`` of the fastest :data:`splitk_gemv.CONFIGS` entry on these inputs (a config
+    Triton cannot build on this device is skipped)."""
+    import functools
+
+    import triton
+
+    best = None
+    for block_n, block_k, splits, warps in CONFIGS:
+        fn = functools.partial(splitk_gemv, block_n=block_n, block_k=block_k, splits=splits, num_warps=warps)
+        try:
+            us = _graph_us(fn, xs, ws, calls, reps)
+        except (RuntimeError, triton.runtime.errors.OutOfResources):  # this tile does not fit the device
+            continue
+        if best is None or us < best[0]:
+            best = (us, dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=warps))
+    return best
+
+
 def run(args) -> dict:
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
@@ -107,15 +133,24 @@ def run(args) -> dict:
                 us = _graph_us(fn, xs, ws, args.calls, args.reps)
                 entry[backend] = {"us": us, "GBps": nbytes / us / 1e3, "of_copy_bandwidth": nbytes / us / 1e3 / (bandwidth / 1e9),
                                   "rel_err": err}
-            best = min((b for b in backends if b in entry), key=lambda b: entry[b]["us"])
+            if nbytes <= SPLITK_MAX_BYTES and m <= MAX_ROWS:
+                found = _splitk_best(xs, ws, args.calls, max(3, args.reps // 2))
+                if found is not None:
+                    us, config = found
+                    y = splitk_gemv(xs[0], ws[0], **config)
+                    entry["triton_splitk"] = {"us": us, "GBps": nbytes / us / 1e3,
+                                              "of_copy_bandwidth": nbytes / us / 1e3 / (bandwidth / 1e9),
+                                              "rel_err": ((y.double() - ref).norm() / ref.norm()).item(),
+                                              "config": config}
+            best = min((b for b in (*backends, "triton_splitk") if b in entry), key=lambda b: entry[b]["us"])
             entry["fastest"] = best
             rows.append(entry)
             print(f"{name:22s} M={m}: " + "  ".join(f"{b} {entry[b]['us']:7.2f} us {entry[b]['GBps']:6.0f} GB/s"
-                                                      for b in backends if b in entry), flush=True)
+                                                      for b in (*backends, "triton_splitk") if b in entry), flush=True)
         del ws
     return {"device": torch.cuda.get_device_name(device), "dtype": args.dtype, "torch": torch.__version__,
             "copy_bandwidth_GBps": bandwidth / 1e9, "calls_per_graph": args.calls, "rows": rows,
-            "backends": list(backends)}
+            "backends": [*backends, "triton_splitk"]}
 
 
 def print_table(res: dict) -> None:

@@ -16,10 +16,37 @@ import time
 
 import torch
 
-__all__ = ["copy_bandwidth", "weight_read_floor_ms", "loop_forward_gpu_ms", "GEMM_KERNEL"]
+__all__ = ["copy_bandwidth", "weight_read_floor_ms", "loop_forward_gpu_ms", "kernel_breakdown", "GEMM_KERNEL",
+           "KERNEL_KINDS"]
 
 #: cuBLAS / CUTLASS GEMM and GEMV kernel names (Hopper's ``nvjet`` included).
 GEMM_KERNEL = re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas", re.IGNORECASE)
+#: What a kernel of a forward is, by its name (the first pattern that matches; else "other"):
+#: GEMMs, ssm_spec's own op kernels, attention, inductor's fused kernels, copies and fills.
+KERNEL_KINDS = (("gemm", GEMM_KERNEL),
+                ("ssm_spec op", re.compile(r"^(gdn_|short_conv_)\w*kernel")),
+                ("attention", re.compile(r"flash|fmha|attention|sdpa|softmax", re.IGNORECASE)),
+                ("inductor fused", re.compile(r"^triton_")),
+                ("copy / fill", re.compile(r"memcpy|memset|copy|fill", re.IGNORECASE)))
+
+
+def kernel_breakdown(kernels, top: int = 15) -> dict:
+    """Where one forward's kernel time goes, from ``kernels``: ``(name, microseconds)`` per
+    launch. Returns ``{"by_kind": {kind: {"kernels": n, "ms": t}}, "top": [[name, launches,
+    ms], ...]}`` (kinds of :data:`KERNEL_KINDS`; ``top``: the ``top`` names by total time,
+    names cut to 120 characters)."""
+    by_kind: dict[str, dict] = {}
+    by_name: dict[str, list] = {}
+    for name, us in kernels:
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+        entry = by_kind.setdefault(kind, {"kernels": 0, "ms": 0.0})
+        entry["kernels"] += 1
+        entry["ms"] += us / 1e3
+        row = by_name.setdefault(name[:120], [name[:120], 0, 0.0])
+        row[1] += 1
+        row[2] += us / 1e3
+    ranked = sorted(by_name.values(), key=lambda r: -r[2])[:top]
+    return {"by_kind": by_kind, "top": ranked}
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 31, reps: int = 10) -> float:
@@ -54,7 +81,8 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
     decode step) through the decode loop's forward (:class:`ssm_spec.hf.loop.forward.LoopModel`),
     after a prefill of ``prompt_len`` tokens: ``{"ms": median over reps, "kernels": kernels per
     forward, "gemm_ms" / "gemm_kernels": the cuBLAS GEMM kernels among them, "first_call_s": the
-    first two forwards' wall time (compiling with ``compile``)}``. Each forward verifies from the
+    first two forwards' wall time (compiling with ``compile``), "breakdown": the last timed
+    forward's :func:`kernel_breakdown`}``. Each forward verifies from the
     same state (nothing is committed); ``compile``: through ``torch.compile`` as the loop's
     ``compile=True`` runs it."""
     from ssm_spec.hf import recoverssm_config
@@ -83,7 +111,7 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
             target.verify(tokens, columns, rows, active)
         torch.cuda.synchronize(device)
         first = time.perf_counter() - t0
-        ms, kernels, gemm_ms, gemm_kernels = [], [], [], []
+        ms, kernels, gemm_ms, gemm_kernels, breakdown = [], [], [], [], None
         for _ in range(reps):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 target.verify(tokens, columns, rows, active)
@@ -94,7 +122,8 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
             kernels.append(len(events))
             gemm_ms.append(sum(e.time_range.elapsed_us() for e in gemms) / 1e3)
             gemm_kernels.append(len(gemms))
+            breakdown = kernel_breakdown([(e.name, e.time_range.elapsed_us()) for e in events])
     del target
     return {"ms": statistics.median(ms), "kernels": int(statistics.median(kernels)), "ms_all": ms,
             "gemm_ms": statistics.median(gemm_ms), "gemm_kernels": int(statistics.median(gemm_kernels)),
-            "first_call_s": first}
+            "first_call_s": first, "breakdown": breakdown}

@@ -80,7 +80,7 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
                        gpu_ms_per_decode_forward=decode["ms"], gpu_ms_per_verify_forward=verify["ms"],
                        kernels_per_decode_forward=decode["kernels"], kernels_per_verify_forward=verify["kernels"],
                        gemm_ms_per_decode_forward=decode["gemm_ms"], gemm_kernels_per_decode_forward=decode["gemm_kernels"],
-                       first_decode_forward_s=decode["first_call_s"],
+                       first_decode_forward_s=decode["first_call_s"], decode_forward_kernels=decode["breakdown"],
                        gpu_forward_over_floor=decode["ms"] / floor_ms,
                        verify_over_decode_gpu=verify["ms"] / decode["ms"],
                        gpu_ms_per_verify_forward_by_width={str(W): r["ms"] for W, r in by_width.items()},

@@ -60,6 +60,8 @@ def main(argv=None) -> int:
             entry["forwards"][str(W)] = f
             print(f"{name}: W={W} {f['ms']:.3f} ms, {f['kernels']} kernels, GEMMs {f['gemm_kernels']} in "
                   f"{f['gemm_ms']:.3f} ms, first call {f['first_call_s']:.1f} s", flush=True)
+            print("  by kind: " + ", ".join(f"{kind} {v['kernels']} in {v['ms']:.3f} ms"
+                                            for kind, v in f["breakdown"]["by_kind"].items()), flush=True)
         t = time.perf_counter()
         model.generate(ids, max_new_tokens=new, do_sample=False)  # capture (and compile), warm
         entry["first_generate_s"] = time.perf_counter() - t

@@ -468,3 +468,19 @@ def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
         round_parts(model, ids, {"prompt_lookup_num_tokens": 2}, 12, skip=50)
     with pytest.raises(ValueError, match="another decode loop"):  # the warm-up made the lookup call's loop
         round_parts(model, ids, {}, 12)
+
+
+def test_kernel_breakdown_sorts_a_forwards_kernels_by_kind_and_time():
+    """The names a CUDA profile gives (cuBLAS, ssm_spec's Triton kernels, flash attention,
+    inductor's fused kernels, a memset) go to their kinds; the top list ranks names by total time."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from forward_timing import kernel_breakdown
+
+    kernels = [("nvjet_tst_64x8_64x16_2x1_v_bz_TNN", 10.0), ("nvjet_tst_64x8_64x16_2x1_v_bz_TNN", 12.0),
+               ("gdn_window_kernel", 4.0), ("short_conv_verify_kernel", 1.0), ("flash_fwd_splitkv_kernel", 3.0),
+               ("triton_red_fused_add_mean_mul_pow_rsqrt_3", 2.0), ("Memset (Device)", 0.5), ("elementwise_kernel", 1.5)]
+    got = kernel_breakdown(kernels, top=2)
+    kinds = {kind: v["kernels"] for kind, v in got["by_kind"].items()}
+    assert kinds == {"gemm": 2, "ssm_spec op": 2, "attention": 1, "inductor fused": 1, "copy / fill": 1, "other": 1}
+    assert abs(got["by_kind"]["gemm"]["ms"] - 0.022) < 1e-12
+    assert got["top"] == [["nvjet_tst_64x8_64x16_2x1_v_bz_TNN", 2, 0.022], ["gdn_window_kernel", 1, 0.004]]

@@ -249,14 +249,15 @@ class DecodeLoop:
             self._begin(width)
         sent = 0
         while True:
-            done = bool(rows.finished[:b].all())
-            produced = rows.produced[:b].tolist()
+            # one read a batch of rounds: the rows' counts and flags in one copy to the host
+            produced, finished = torch.stack((rows.produced[:b], rows.finished[:b].to(torch.int64))).tolist()
+            done = all(finished)
             if streamer is not None and b == 1 and produced[0] > sent:
                 streamer.put(rows.tokens[0, width + sent:width + produced[0]].cpu())
                 sent = produced[0]
             if done:
                 break
-            left = min(max_new - p for p, f in zip(produced, rows.finished[:b].tolist()) if not f)
+            left = min(max_new - p for p, f in zip(produced, finished) if not f)
             rounds = max(1, min(MAX_ROUNDS_PER_READ, math.ceil(left / (self.k + 1))))
             for _ in range(math.ceil(rounds / self.per_graph)):
                 if self.graph is not None:
