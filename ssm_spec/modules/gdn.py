@@ -276,16 +276,16 @@ class RecoverGatedDeltaNet(nn.Module):
             raise ValueError(f"RecoverGatedDeltaNet.prefill_padded: slots has shape {tuple(slots.shape)}; "
                              f"expected ({B},), one slot per row of hidden")
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
-        keep = valid.reshape(B * L, 1)
+        padding = ~valid.reshape(B * L, 1)
         mixed, z, b, a = self.project(hidden.reshape(B * L, D))
-        mixed = mixed.masked_fill(~keep, 0)
+        mixed = mixed.masked_fill(padding, 0)
         conv_state = pool.conv_state(self)
         history = conv_state.new_zeros((B, *conv_state.shape[1:]))
         conv_out, conv_final = conv_prefill_rows(mixed.view(B, L, -1), self.conv1d.weight[:, 0], self.conv1d.bias,
                                                  history, 1, "silu")
         q, k, v, g, beta = self.gates(conv_out.reshape(B * L, -1), a, b)
-        g = g.masked_fill(~keep, 0)
-        beta = beta.masked_fill(~keep, 0)
+        g = g.masked_fill(padding, 0)
+        beta = beta.masked_fill(padding, 0)
         state = pool.gdn_state(self)
         init = state.new_zeros((B, *state.shape[1:]), dtype=torch.float32)
         core, final = gdn_prefill_rows(q.view(B, L, *q.shape[1:]), k.view(B, L, *k.shape[1:]),
@@ -293,11 +293,11 @@ class RecoverGatedDeltaNet(nn.Module):
         index = slots.long()
         state[index] = final.to(state.dtype)
         conv_state[index] = conv_final.to(conv_state.dtype)
-        core = core.reshape(B * L, HV, V).masked_fill(~keep[:, :, None], 0).to(v.dtype)
+        core = core.reshape(B * L, HV, V).masked_fill(padding[:, :, None], 0).to(v.dtype)
         out = self.output(core, z)
         if self.tp_group is not None:  # row-parallel out_proj: the ranks' partial sums
             all_reduce_(out, self.tp_group)
-        return out.masked_fill(~keep, 0).view(B, L, D)
+        return out.masked_fill(padding, 0).view(B, L, D)
 
     def _step(self, hidden, metadata, pool, state, dev):
         protocol = pool.protocol
