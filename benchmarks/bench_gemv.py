@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import HelpFormatter, add_out_args, device_name, pyplot, resolve_out_dir, slug, write_results  # noqa: E402
 from forward_timing import copy_bandwidth  # noqa: E402
-from splitk_gemv import CONFIGS, MAX_ROWS, splitk_gemv  # noqa: E402
+from splitk_gemv import MAX_ROWS, best_config, graph_us, splitk_gemv  # noqa: E402
 
 #: The split-K candidate is swept for weights up to this many bytes (not the LM head's 1.3 GB).
 SPLITK_MAX_BYTES = 256e6
@@ -64,51 +63,6 @@ def _gemv(x, w):
     return (x[:, None, :].float() * w[None].float()).sum(-1).to(x.dtype)
 
 
-def _graph_us(fn, xs, ws, calls: int, reps: int) -> float:
-    """Median microseconds per call of ``fn(x, w)`` over a CUDA graph of ``calls`` calls cycling
-    over the weight copies ``ws``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            fn(xs[i % len(xs)], ws[i % len(ws)])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(xs[i % len(xs)], ws[i % len(ws)])
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
-def _splitk_best(xs, ws, calls: int, reps: int):
-    """``(us, config)`` of the fastest :data:`splitk_gemv.CONFIGS` entry on these inputs (a config
-    Triton cannot build on this device is skipped)."""
-    import functools
-
-    import triton
-
-    best = None
-    for block_n, block_k, splits, warps in CONFIGS:
-        fn = functools.partial(splitk_gemv, block_n=block_n, block_k=block_k, splits=splits, num_warps=warps)
-        try:
-            us = _graph_us(fn, xs, ws, calls, reps)
-        except (RuntimeError, triton.runtime.errors.OutOfResources):  # this tile does not fit the device
-            continue
-        if best is None or us < best[0]:
-            best = (us, dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=warps))
-    return best
-
-
 def run(args) -> dict:
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
@@ -130,11 +84,11 @@ def run(args) -> dict:
                 if backend == "max_autotune" and m not in args.autotune_rows:
                     continue
                 err = ((fn(xs[0], ws[0]).double() - ref).norm() / ref.norm()).item()
-                us = _graph_us(fn, xs, ws, args.calls, args.reps)
+                us = graph_us(fn, xs, ws, args.calls, args.reps)
                 entry[backend] = {"us": us, "GBps": nbytes / us / 1e3, "of_copy_bandwidth": nbytes / us / 1e3 / (bandwidth / 1e9),
                                   "rel_err": err}
             if nbytes <= SPLITK_MAX_BYTES and m <= MAX_ROWS:
-                found = _splitk_best(xs, ws, args.calls, max(3, args.reps // 2))
+                found = best_config(xs, ws, args.calls, max(3, args.reps // 2))
                 if found is not None:
                     us, config = found
                     y = splitk_gemv(xs[0], ws[0], **config)

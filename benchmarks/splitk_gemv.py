@@ -9,28 +9,36 @@ order (the same bits every run: no atomics). Splitting ``K`` gives a narrow proj
 outputs over 4,096 or 9,216 inputs at the 3.6 B width, where cuBLAS reaches 0.48-0.68 of the copy
 bandwidth) enough programs to keep every SM's loads in flight.
 
-Not used by the library's forward: it is measured first (``bench_gemv.py``, backend
-``triton_splitk``, the fastest of :data:`CONFIGS` per shape).
+Not used by the library's forward: it is measured first, alone (``bench_gemv.py``, backend
+``triton_splitk``, the fastest of :data:`CONFIGS` per shape) and inside the compiled forward
+(``scripts/forward_cost.py``'s variant ``fused, compiled, split-K narrow``: :func:`use_splitk`
+runs a model's narrow projections through the custom op :func:`splitk_linear`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import statistics
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
-__all__ = ["splitk_gemv", "splitk_gemv_ref", "CONFIGS", "MAX_ROWS"]
+__all__ = ["splitk_gemv", "splitk_gemv_ref", "CONFIGS", "MAX_ROWS", "graph_us", "best_config", "splitk_linear",
+           "use_splitk", "SplitKLinear"]
 
 #: The most rows one call takes (``tl.dot`` tiles of 16 rows).
 MAX_ROWS = 16
-#: The (block_n, block_k, splits, num_warps) a sweep tries.
-CONFIGS = tuple(itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4, 8, 16), (4,)))
+#: The (block_n, block_k, splits, num_warps) a sweep tries (kernel names hold "gemv", so the
+#: forward profiles count them with the GEMMs: ``forward_timing.GEMM_KERNEL``).
+CONFIGS = tuple(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (4,)))
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+def _splitk_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DIRECT: tl.constexpr, IEEE: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -59,7 +67,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_gemv_sum_kernel(part_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -108,14 +116,123 @@ def splitk_gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 64, block_k:
     direct = splits == 1
     out = y if direct else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(N, block_n), splits)
-    _splitk_kernel[grid](x, w, out, M, N, K, k_split, x.stride(0), w.stride(0), BLOCK_M=16, BLOCK_N=block_n,
+    _splitk_gemv_kernel[grid](x, w, out, M, N, K, k_split, x.stride(0), w.stride(0), BLOCK_M=16, BLOCK_N=block_n,
                          BLOCK_K=block_k, DIRECT=direct, IEEE=x.dtype == torch.float32, num_warps=num_warps)
     if not direct:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](out, y, M * N, SPLITS=splits, BLOCK=block, num_warps=4)
+        _splitk_gemv_sum_kernel[(triton.cdiv(M * N, block),)](out, y, M * N, SPLITS=splits, BLOCK=block, num_warps=4)
     return y
 
 
 def splitk_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The product in float64 (what :func:`splitk_gemv` is compared with)."""
     return x.double() @ w.double().T
+
+
+# ----------------------------------------------------------------------------- timing and tuning
+def graph_us(fn, xs, ws, calls: int, reps: int) -> float:
+    """Median microseconds per call of ``fn(x, w)`` over a CUDA graph of ``calls`` calls cycling
+    over the inputs ``xs`` and the weight copies ``ws`` (enough copies that none is read from L2
+    twice: a weight read once, as in a decode step)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(xs[i % len(xs)], ws[i % len(ws)])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(xs[i % len(xs)], ws[i % len(ws)])
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def best_config(xs, ws, calls: int = 64, reps: int = 5):
+    """``(us, config)`` of the fastest :data:`CONFIGS` entry for these inputs, timed by
+    :func:`graph_us` (a tile Triton cannot build on this device is skipped); ``None`` if none builds."""
+    best = None
+    for block_n, block_k, splits, warps in CONFIGS:
+        fn = functools.partial(splitk_gemv, block_n=block_n, block_k=block_k, splits=splits, num_warps=warps)
+        try:
+            us = graph_us(fn, xs, ws, calls, reps)
+        except (RuntimeError, triton.runtime.errors.OutOfResources):  # this tile does not fit the device
+            continue
+        if best is None or us < best[0]:
+            best = (us, dict(block_n=block_n, block_k=block_k, splits=splits, num_warps=warps))
+    return best
+
+
+# ----------------------------------------------------------------------------- inside a model
+#: ``(rows, out_features, in_features, dtype) -> config`` chosen by :func:`use_splitk`.
+TUNED: dict = {}
+
+
+@torch.library.custom_op("ssm_spec_bench::splitk_linear", mutates_args=())
+def splitk_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for ``x [..., K]``: by :func:`splitk_gemv` with the tuned config
+    where the rows (``x``'s leading dims flattened) number at most :data:`MAX_ROWS` on CUDA and a
+    config was tuned for the shape, else cuBLAS."""
+    rows = x.numel() // x.shape[-1]
+    config = TUNED.get((rows, weight.shape[0], weight.shape[1], x.dtype)) if x.is_cuda else None
+    if config is None:
+        return F.linear(x, weight)
+    y = splitk_gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight, **config)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@splitk_linear.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class SplitKLinear(nn.Linear):
+    """An ``nn.Linear`` (its class swapped in place: same parameters, names and state dict) whose
+    product runs through :func:`splitk_linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = splitk_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
+#: The projections back to the residual stream (``hidden_size`` outputs, wider inputs at the 3.6 B
+#: width): GDN's ``out_proj``, attention's ``o_proj``, the MLPs' ``down_proj``.
+NARROW = ("out_proj", "o_proj", "down_proj")
+
+
+def use_splitk(model, rows=(1, 4, 6), enable: bool = True) -> list[str]:
+    """Run ``model``'s narrow projections (:data:`NARROW` ``nn.Linear`` modules with
+    ``hidden_size`` outputs) through
+    :func:`splitk_linear`, with the fastest config of each shape at each of ``rows`` tuned now on
+    copies of the weights; ``enable=False`` puts the plain ``nn.Linear`` back. Returns the
+    modules' names."""
+    hidden = model.config.get_text_config().hidden_size
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.out_features == hidden and name.rsplit(".", 1)[-1] in NARROW:
+            module.__class__ = SplitKLinear if enable else nn.Linear
+            names.append(name)
+            if not enable:
+                continue
+            w = module.weight
+            for m in rows if w.is_cuda else ():  # off CUDA the op is cuBLAS's (CPU BLAS) product
+                key = (m, w.shape[0], w.shape[1], w.dtype)
+                if key in TUNED:
+                    continue
+                copies = max(2, -(-int(256e6) // (w.numel() * w.element_size())))
+                ws = [torch.randn_like(w) * 0.02 for _ in range(copies)]
+                xs = [torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device) for _ in range(2)]
+                found = best_config(xs, ws)
+                if found is not None:
+                    TUNED[key] = found[1]
+                del ws
+    return names

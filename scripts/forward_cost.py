@@ -2,7 +2,8 @@
 against compiled: GPU time, kernels, the GEMMs' share, the first call's cost (CUDA only).
 
 Builds the model of ``bench_hf_generate.py``'s width options on the GPU and times, for each
-variant (``apply_recoverssm(model, fused_projections=..., compile=...)``), one target forward of
+variant (``apply_recoverssm(model, fused_projections=..., compile=...)``; the last also runs the
+narrow projections through ``benchmarks/splitk_gemv.py``'s split-K GEMV, tuned per shape), one target forward of
 W = 1 (a decode step) and of each ``--widths`` inside the decode loop
 (``forward_timing.loop_forward_gpu_ms``: kernel time summed, so launch gaps do not count), against
 the weight-read floor at the copy bandwidth measured in the same run; then the plain decode
@@ -23,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-VARIANTS = (("separate, eager", False, False), ("fused, eager", True, False), ("fused, compiled", True, True))
+#: (name, fused projections, compiled, the narrow projections through benchmarks/splitk_gemv.py)
+VARIANTS = (("separate, eager", False, False, False), ("fused, eager", True, False, False),
+            ("fused, compiled", True, True, False), ("fused, compiled, split-K narrow", True, True, True))
 
 
 def main(argv=None) -> int:
@@ -50,11 +53,16 @@ def main(argv=None) -> int:
     res = {"copy_bandwidth_GBps": bandwidth / 1e9, "param_bytes": nbytes, "weight_read_floor_ms": floor_ms,
            "kind": args.kind, "hidden": args.hidden, "layers": args.layers, "variants": {}}
     print(f"floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s)", flush=True)
-    for name, fused, compiled in VARIANTS:
+    for name, fused, compiled, splitk in VARIANTS:
         if name not in mine.variants:
             continue
         apply_recoverssm(model, fused_projections=fused, compile=compiled, decode_loop=True, cuda_graphs=True)
-        entry = {"fused_projections": fused, "compile": compiled, "forwards": {}}
+        entry = {"fused_projections": fused, "compile": compiled, "splitk_narrow": splitk, "forwards": {}}
+        if splitk:
+            from splitk_gemv import TUNED, use_splitk
+
+            entry["splitk_modules"] = len(use_splitk(model, rows=sorted({1, *mine.widths})))
+            entry["splitk_configs"] = {f"{m}x{n}x{k}": c for (m, n, k, _), c in TUNED.items()}
         for W in [1, *mine.widths]:
             f = loop_forward_gpu_ms(model, W, compile=compiled)
             entry["forwards"][str(W)] = f
@@ -71,17 +79,19 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         entry["loop_tokens_per_s"] = (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t)
         entry["graph_replays"] = model._recoverssm.loop.replays
+        if splitk:
+            use_splitk(model, enable=False)
         res["variants"][name] = entry
         print(f"{name}: loop {entry['loop_tokens_per_s']:.1f} tok/s (first call {entry['first_generate_s']:.1f} s)",
               flush=True)
     if mine.out:
         mine.out.write_text(json.dumps(res, indent=1))
-    print(f"\n{'variant':18s} | {'W':>2s} | {'GPU ms':>7s} | {'/floor':>6s} | {'/W=1':>5s} | kernels | "
+    print(f"\n{'variant':31s} | {'W':>2s} | {'GPU ms':>7s} | {'/floor':>6s} | {'/W=1':>5s} | kernels | "
           f"GEMM ms (n) | first s | loop tok/s")
     for name, e in res["variants"].items():
         d = e["forwards"]["1"]["ms"]
         for W, f in e["forwards"].items():
-            print(f"{name:18s} | {W:>2s} | {f['ms']:7.3f} | {f['ms'] / floor_ms:6.2f} | {f['ms'] / d:5.2f} | "
+            print(f"{name:31s} | {W:>2s} | {f['ms']:7.3f} | {f['ms'] / floor_ms:6.2f} | {f['ms'] / d:5.2f} | "
                   f"{f['kernels']:7d} | {f['gemm_ms']:6.3f} ({f['gemm_kernels']:3d}) | {f['first_call_s']:7.1f} | "
                   + (f"{e['loop_tokens_per_s']:.1f}" if W == "1" else ""))
     return 0

@@ -484,3 +484,33 @@ def test_kernel_breakdown_sorts_a_forwards_kernels_by_kind_and_time():
     assert kinds == {"gemm": 2, "ssm_spec op": 2, "attention": 1, "inductor fused": 1, "copy / fill": 1, "other": 1}
     assert abs(got["by_kind"]["gemm"]["ms"] - 0.022) < 1e-12
     assert got["top"] == [["nvjet_tst_64x8_64x16_2x1_v_bz_TNN", 2, 0.022], ["gdn_window_kernel", 1, 0.004]]
+
+
+def test_use_splitk_swaps_the_narrow_projections_and_back():
+    """benchmarks/splitk_gemv.py's ``use_splitk`` on a tiny converted model (the CPU: no tuning,
+    the op falls back to ``F.linear``): the GDN ``out_proj``, attention ``o_proj`` and MLP
+    ``down_proj`` modules run through the custom op with the same state dict and logits, an MLP
+    compiles with it in one graph (``fullgraph=True``), and ``enable=False`` restores ``nn.Linear``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from splitk_gemv import SplitKLinear, use_splitk
+    from torch import nn
+
+    from ssm_spec.hf import apply_recoverssm, tiny_model
+
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = model(ids).logits
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = use_splitk(model)
+    suffixes = {n.rsplit(".", 1)[-1] for n in names}
+    assert suffixes == {"out_proj", "o_proj", "down_proj"}, names
+    assert all(type(model.get_submodule(n)) is SplitKLinear for n in names)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+        mlp = model.model.layers[0].mlp
+        h = torch.randn(1, 3, model.config.hidden_size)
+        assert torch.allclose(torch.compile(mlp, fullgraph=True)(h), mlp(h), atol=1e-6)  # the op traces
+    assert model.state_dict().keys() == before.keys()
+    use_splitk(model, enable=False)
+    assert all(type(model.get_submodule(n)) is nn.Linear for n in names)
