@@ -270,6 +270,10 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
         loop = graphed._recoverssm.loop
         assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
         assert loop.prefill_failed is None and list(loop.prefill_graphs) == [64], kw  # the prompt's part captured
+    longer, long_mask = _batch([TEXTS[0] * 2, *TEXTS[1:3]], device)  # 84 columns: a second width, 128
+    a = graphed.generate(longer, attention_mask=long_mask, max_new_tokens=29, do_sample=False, prompt_lookup_num_tokens=3)
+    b = eager.generate(longer, attention_mask=long_mask, max_new_tokens=29, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(a, b) and sorted(graphed._recoverssm.loop.prefill_graphs) == [64, 128]
     graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
     sampling = graphed._recoverssm.loop  # kept: its graph draws, and is replayed after the failed capture
     assert sampling.graph is not None
