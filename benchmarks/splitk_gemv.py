@@ -37,7 +37,7 @@ MAX_ROWS = 16
 CONFIGS = tuple(itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16), (4,)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every row count of a shape
 def _splitk_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DIRECT: tl.constexpr, IEEE: tl.constexpr):
