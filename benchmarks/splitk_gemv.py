@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-__all__ = ["splitk_gemv", "splitk_gemv_ref", "CONFIGS", "MAX_ROWS", "graph_us", "best_config", "splitk_linear",
+__all__ = ["splitk_gemv", "splitk_gemv_ref", "split_plan", "CONFIGS", "MAX_ROWS", "graph_us", "best_config", "splitk_linear",
            "use_splitk", "SplitKLinear"]
 
 #: The most rows one call takes (``tl.dot`` tiles of 16 rows).
@@ -76,6 +76,15 @@ def _splitk_gemv_sum_kernel(part_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def split_plan(K: int, splits: int, block_k: int) -> tuple[int, int]:
+    """``(k_split, splits)`` that :func:`splitk_gemv` launches for ``splits`` asked: each program
+    takes ``k_split`` inputs (a multiple of ``block_k``), and the programs along ``K`` number
+    ``ceil(K / k_split)``, which can be fewer than asked (none without inputs: ``K=9216``,
+    ``block_k=128``, 16 asked gives 15 of 640)."""
+    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
+    return k_split, triton.cdiv(K, k_split)
+
+
 def splitk_gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 64, block_k: int = 128, splits: int = 4,
                 num_warps: int = 4) -> torch.Tensor:
     """``x @ w.T`` by the split-K kernels.
@@ -84,7 +93,8 @@ def splitk_gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 64, block_k:
         x: ``[M, K]``, ``1 <= M <= 16``, float32 / bfloat16 / float16, unit stride along ``K``.
         w: ``[N, K]`` of ``x``'s dtype and device, unit stride along ``K`` (an ``nn.Linear`` weight).
         block_n / block_k: the weight tile of a program (powers of two, at least 16).
-        splits: programs along ``K`` per ``block_n`` outputs.
+        splits: programs asked along ``K`` per ``block_n`` outputs; the launch may have fewer
+            (:func:`split_plan`).
         num_warps: warps a program.
 
     Returns:
@@ -110,8 +120,7 @@ def splitk_gemv(x: torch.Tensor, w: torch.Tensor, *, block_n: int = 64, block_k:
             raise ValueError(f"splitk_gemv: {name}={value}; expected a power of two >= 16")
     if splits < 1:
         raise ValueError(f"splitk_gemv: splits={splits}; expected >= 1")
-    k_split = triton.cdiv(triton.cdiv(K, splits), block_k) * block_k
-    splits = triton.cdiv(K, k_split)  # no program without inputs
+    k_split, splits = split_plan(K, splits, block_k)
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     direct = splits == 1
     out = y if direct else torch.empty((splits, M, N), dtype=torch.float32, device=x.device)
@@ -159,9 +168,16 @@ def graph_us(fn, xs, ws, calls: int, reps: int) -> float:
 
 def best_config(xs, ws, calls: int = 64, reps: int = 5):
     """``(us, config)`` of the fastest :data:`CONFIGS` entry for these inputs, timed by
-    :func:`graph_us` (a tile Triton cannot build on this device is skipped); ``None`` if none builds."""
-    best = None
-    for block_n, block_k, splits, warps in CONFIGS:
+    :func:`graph_us` (a tile Triton cannot build on this device is skipped); ``None`` if none builds.
+    The config's ``splits`` is the count launched (:func:`split_plan`), and entries that launch
+    the same grid are timed once."""
+    best, seen = None, set()
+    K = xs[0].shape[1]
+    for block_n, block_k, asked, warps in CONFIGS:
+        splits = split_plan(K, asked, block_k)[1]
+        if (block_n, block_k, splits, warps) in seen:
+            continue
+        seen.add((block_n, block_k, splits, warps))
         fn = functools.partial(splitk_gemv, block_n=block_n, block_k=block_k, splits=splits, num_warps=warps)
         try:
             us = graph_us(fn, xs, ws, calls, reps)

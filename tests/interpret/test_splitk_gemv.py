@@ -50,3 +50,19 @@ def test_malformed_calls_are_refused(args, words):
         splitk_gemv(x, w)
     with pytest.raises(ValueError, match="block_k=24"):
         splitk_gemv(torch.randn(2, 8), torch.randn(4, 8), block_k=24)
+
+
+@pytest.mark.parametrize("K,block_k", [(9216, 128), (4096, 256), (300, 32), (2560, 128)])
+def test_the_split_plan_launches_programs_that_cover_k_and_none_empty(K, block_k):
+    """What a tuned config records as ``splits`` is what runs: ``split_plan`` gives programs of
+    whole tiles that cover ``K`` with none left without inputs, asking its own answer again gives
+    the same plan, and asking more programs than tiles gives one per tile."""
+    from splitk_gemv import split_plan
+
+    for asked in (1, 2, 3, 4, 8, 16, 64):
+        k_split, splits = split_plan(K, asked, block_k)
+        assert k_split % block_k == 0 and 1 <= splits <= asked
+        assert (splits - 1) * k_split < K <= splits * k_split
+        assert split_plan(K, splits, block_k) == (k_split, splits)
+    assert split_plan(9216, 16, 128) == (640, 15)
+    assert split_plan(K, 10 ** 6, block_k) == (block_k, -(-K // block_k))
