@@ -155,7 +155,10 @@ def main(argv=None) -> int:
             fwd = loop_forward_gpu_ms(model, 1, compile=compile_)
             fwd_ms, kernels = fwd["ms"], fwd["kernels"]
             parts.update(run=("compiled " if compile_ else "") + name, tokens=produced, first_call_s=first,
-                         kernels_ms=fwd_ms, kernels=kernels)
+                         kernels_ms=fwd_ms, kernels=kernels, prefill_widths=sorted(loop.prefill_graphs),
+                         prefill_failed=loop.prefill_failed)
+            if loop.prefill_failed is not None:  # its prefill ran eagerly: the prefill column is not the graph's
+                print(f"{name}: prompt part not captured, run eagerly ({loop.prefill_failed})", flush=True)
             if mine.parts:
                 parts["round_parts"] = {key: v for key, v in round_parts(model, ids, kw, new).items()
                                         if key != "sequences"}
