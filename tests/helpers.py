@@ -239,3 +239,17 @@ def run_cli(argv, *, env: dict | None = None, omp_threads: str | None = "1"):
                 os.environ[key] = value
         torch.set_num_threads(threads)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def widen_prompts(monkeypatch, extra: int) -> None:
+    """Make the decode loop run every prompt ``extra`` columns wider (more left padding), as it
+    does under CUDA graphs to share a captured prefill, on any device: patches the one function
+    both the loop's run and ``generate``'s buffer capacity ask, so the capacity grows with it."""
+    from ssm_spec.hf import loop
+    from ssm_spec.hf.loop import runner
+
+    def wider(prompt_columns: int, graphs: bool) -> int:
+        return int(prompt_columns) + extra
+
+    monkeypatch.setattr(runner, "prompt_width", wider)
+    monkeypatch.setattr(loop, "prompt_width", wider)

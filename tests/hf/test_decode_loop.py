@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from ssm_spec.hf import acceptance_stats, apply_recoverssm, tiny_model
-from ssm_spec.hf.loop import DecodeLoop, PromptLookup
+from ssm_spec.hf.loop import PromptLookup
 from ssm_spec.hf.loop.rows import Rows
 from ssm_spec.hf.tiny import ByteTokenizer
+from tests.helpers import widen_prompts
 
 KINDS = ["qwen3_next", "qwen3_5"]
 TOK = ByteTokenizer()
@@ -109,7 +110,7 @@ def test_a_prompt_run_wider_gives_every_row_its_own_greedy(device, kind, monkeyp
     prompts of similar lengths share a captured prefill); forced here on any device, 13 columns
     wider: plain decoding, prompt lookup and an assistant give every row its own greedy, and
     ``min_length`` still counts the call's own prompt columns."""
-    monkeypatch.setattr(DecodeLoop, "prompt_width", lambda self, P: P + 13)
+    widen_prompts(monkeypatch, 13)
     ref = tiny_model(kind, seed=4).to(device)
     model = apply_recoverssm(tiny_model(kind, seed=4).to(device), cuda_graphs=device.type == "cuda")
     ids, mask = _batch(TEXTS[:3], device)

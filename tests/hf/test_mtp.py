@@ -28,6 +28,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ssm_spec.hf import acceptance_stats, apply_recoverssm, is_converted, tiny_model  # noqa: E402
+from tests.helpers import widen_prompts  # noqa: E402
 from ssm_spec.hf.tiny import ByteTokenizer  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -290,7 +291,7 @@ def test_the_drafters_logits_are_the_published_heads(kind, sharded, widen, check
     from ssm_spec.hf.loop import runner
 
     if widen:
-        monkeypatch.setattr(runner.DecodeLoop, "prompt_width", lambda self, P: P + widen)
+        widen_prompts(monkeypatch, widen)
 
     path, tensors = checkpoint(kind, sharded)
     model = apply_recoverssm(_load(path, kind))

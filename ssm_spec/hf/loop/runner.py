@@ -59,7 +59,7 @@ class DecodeLoop:
             :class:`~ssm_spec.hf.loop.assistant.AssistantDrafter`,
             :class:`~ssm_spec.hf.loop.mtp.MTPDrafter`, ...) or ``None``. One with
             ``needs_hidden = True`` gets the target's hidden states after its final norm:
-            ``start(rows, width, lengths, hidden=[B, P, H])`` after the prefill and
+            ``start(rows, width, hidden=[B, width, H])`` after the prefill and
             ``accept(a, active, hidden=[B, k + 1, H])`` after each verify.
         scoring: the :class:`~ssm_spec.hf.loop.accept.Scoring` of the call.
         sampling: sample (``do_sample=True``) instead of greedy.
