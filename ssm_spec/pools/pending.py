@@ -9,6 +9,8 @@ counts back. Nothing here synchronises with the device, except the host mirror t
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["PendingWindows", "slot_tensor"]
@@ -38,7 +40,9 @@ class PendingWindows:
     """
 
     def __init__(self, pool):
-        self.pool = pool
+        # the pool holds this object: a strong reference back would make a cycle, and the pool's
+        # buffers would then outlive their last user until a garbage-collection pass
+        self._pool = weakref.ref(pool)
         self.device = pool.device
         self.num_slots = pool.num_slots
         self.pending_start = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
@@ -46,6 +50,11 @@ class PendingWindows:
         self._pending_host: set[int] | None = set()  # host mirror while commits validate
         self._plan: tuple | None = None  # (metadata, plan on self.device, {other device: copy of the plan})
         self._plan_layers: set[int] = set()  # the layers that took the current plan (ids)
+
+    @property
+    def pool(self):
+        """The :class:`~ssm_spec.StatePool` this bookkeeping belongs to."""
+        return self._pool()
 
     def fold_plan(self, metadata, device=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's

@@ -552,3 +552,28 @@ def test_a_step_compiled_with_dynamic_shapes_writes_every_layers_states():
             assert rel_err(got, want) < 1e-5
             for a, b in zip(pools[0]._gdn.values(), pools[1]._gdn.values()):
                 assert rel_err(b.state, a.state) < 1e-6, (slots, W)
+
+
+@pytest.mark.parametrize("kw", [{}, {"snapshot": True}, {"folded": True}, {"folded": True, "mode": "fast"}],
+                         ids=["exact", "snapshot", "folded", "fast-folded"])
+def test_a_dropped_pool_frees_its_buffers_at_once(kw):
+    """A pool that stepped holds no reference cycle: dropping its last reference frees its state
+    buffers then, not at a later garbage-collection pass (with large GPU states that is memory
+    a new pool would otherwise have to find beside the old one)."""
+    import gc
+    import weakref
+
+    layers = [RecoverGatedDeltaNet(32, 2, 4, 8, 8), RecoverShortConv(32, 3)]
+    randomize_(layers, 0.3)
+    pool = StatePool(layers, num_slots=4, max_tokens=16, max_window=4, **kw)
+    md = RecoverSSMMetadata.build([5, 3], [True] * 2, [0, 0], [0, 3], num_slots=4)
+    run_stack(layers, torch.randn(8, 32), md, pool)
+    state, pool_ref = weakref.ref(pool.gdn_state(layers[0])), weakref.ref(pool)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del pool
+        assert pool_ref() is None and state() is None
+    finally:
+        if was:
+            gc.enable()
