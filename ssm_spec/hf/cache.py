@@ -9,6 +9,7 @@ and sequence-length fallbacks keep working); the states of every GDN layer live 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +81,14 @@ class RecoverLinearAttentionLayer(LinearAttentionLayer):
     def __init__(self, owner=None):
         super().__init__(number_of_states=1)
         self.record_past = True
-        self.owner = owner  # the RecoverSSMCache holding it: the one that knows the tokens held
+        # the cache holding it, the one that knows the tokens held; weakly, since the cache holds
+        # this layer: a cycle would keep the cache's state buffers until a garbage-collection pass
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @property
+    def owner(self):
+        """The cache holding this layer (``None``: none, or it is gone)."""
+        return None if self._owner is None else self._owner()
 
     def get_seq_length(self) -> int:
         """Tokens held per row, as the owning cache counts them (transformers 5.25's own linear

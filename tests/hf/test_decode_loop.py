@@ -252,6 +252,47 @@ def test_calls_of_other_batch_sizes_and_drafts_reuse_or_rebuild_the_kept_loop(de
         assert all(loop.graph is not None and loop.eager_rounds == 0 for loop in seen)
 
 
+def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
+    """The kept loop (plain, prompt lookup, a converted assistant) and the cache of a call through
+    transformers' loop hold no reference cycle: dropping the last reference frees their state
+    pools then, not at a later garbage-collection pass (a rebuilt loop's buffers are then free
+    before the new ones are made)."""
+    import gc
+    import weakref
+
+    from ssm_spec.hf import cache as hf_cache
+
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=4))
+    draft = _noisy_twin("qwen3_5", 5, torch.device("cpu"))
+    ids, mask = _batch(TEXTS[:2])
+    made = []
+    init = hf_cache.RecoverSSMCache.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
+            model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kw)
+            loop = model._recoverssm.loop
+            pools = [weakref.ref(loop.target.cache.pool)]
+            if kw.get("assistant_model") is not None:
+                pools.append(weakref.ref(loop.drafter.model.cache.pool))
+            del loop
+            model._recoverssm.loop = None
+            assert all(p() is None for p in pools), kw
+        apply_recoverssm(model, decode_loop=False)
+        monkeypatch.setattr(hf_cache.RecoverSSMCache, "__init__", recorded)
+        model.generate(ids[:1], max_new_tokens=5, do_sample=False, prompt_lookup_num_tokens=3)
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        if was:
+            gc.enable()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():

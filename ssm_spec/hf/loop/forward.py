@@ -68,7 +68,9 @@ class LoopModel:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.dict_mask = bool(self.cache.adapters)  # the hybrid decoders take a mask per layer type
         self._arange = torch.arange(capacity, device=self.cache.device)
-        self._verify_forward = compiled(self._forward) if compile else self._forward
+        # a plain function, called with self: a bound method kept on self would be a reference
+        # cycle, and a replaced loop's buffers would outlive it until a garbage-collection pass
+        self._verify_forward = compiled(LoopModel._forward) if compile else LoopModel._forward
 
     def _mask(self, columns: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         return row_mask(self._arange, columns, pad, self.sdpa, self.dtype)
@@ -110,9 +112,9 @@ class LoopModel:
         md = self.cache.verify_metadata(active, tokens.shape[1])
         self.cache.verify_step(md, columns)
         if hidden:
-            logits, h = self._verify_forward(tokens, columns, rows.pad, 0, True)
+            logits, h = self._verify_forward(self, tokens, columns, rows.pad, 0, True)
             return logits, md, h
-        return self._verify_forward(tokens, columns, rows.pad, keep=0), md
+        return self._verify_forward(self, tokens, columns, rows.pad, keep=0), md
 
     def commit(self, metadata, num_accepted_tokens: torch.Tensor) -> None:
         """Keep each row's first ``num_accepted_tokens[b]`` tokens of that verify."""
