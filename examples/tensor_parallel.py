@@ -22,6 +22,11 @@ import os
 import torch
 import torch.distributed as dist
 
+# imported before the process group exists: importing torch._dynamo (which ssm_spec does) after
+# init_process_group keeps a reference to the default group that destroy_process_group cannot
+# drop, so gloo's worker threads would outlive it into the interpreter's exit
+from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,7 +39,20 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    from ssm_spec import RecoverGatedDeltaNet, RecoverShortConv, RecoverSSMMetadata, StatePool, commit
+    try:
+        worst = run(args.steps, rank, world, dev)
+    finally:
+        # the sharded layers held the group and are gone with run(): this drops its last
+        # reference, so gloo's worker threads are joined here. Left to the interpreter's exit, a
+        # worker still releasing the last collective's tensors needs the GIL and aborts the
+        # process ('terminate called without an active exception'; pytorch/pytorch#190489)
+        dist.destroy_process_group()
+    return 0 if worst < 1e-4 else 1
+
+
+def run(steps: int, rank: int, world: int, dev: torch.device) -> float:
+    """The prefill and ``steps`` spec-decode steps, sharded and unsharded; returns the largest
+    relative difference between the two stacks' outputs."""
 
     def layers():
         torch.manual_seed(0)
@@ -49,7 +67,7 @@ def main(argv=None) -> int:
     pools = [StatePool(ls, num_slots=4, max_tokens=16, device=dev) for ls in (full, shard)]
     gen = torch.Generator().manual_seed(1)
     done, worst = [0, 0], 0.0
-    for step in range(args.steps + 1):
+    for step in range(steps + 1):
         prefill = step == 0
         lens = [9, 6] if prefill else [int(torch.randint(1, 5, (), generator=gen)) for _ in range(2)]
         md = RecoverSSMMetadata.build(lens, [prefill] * 2, done, [0, 3], num_slots=4, device=dev)
@@ -69,9 +87,8 @@ def main(argv=None) -> int:
     local = shard[0].num_v_heads
     print(f"rank {rank}/{world}: value heads {rank * local}..{(rank + 1) * local - 1} of {full[0].num_v_heads}, "
           f"state {tuple(pools[1].gdn_state(shard[0]).shape)} (unsharded {tuple(pools[0].gdn_state(full[0]).shape)}); "
-          f"{args.steps} steps; max rel diff to the unsharded stack {worst:.2e}")
-    dist.destroy_process_group()
-    return 0 if worst < 1e-4 else 1
+          f"{steps} steps; max rel diff to the unsharded stack {worst:.2e}")
+    return worst
 
 
 if __name__ == "__main__":

@@ -40,16 +40,9 @@ def test_tensorrt_verify_example_exports_and_commits(capsys):
     assert "ssm_spec.gdn_verify_functional.default" in out
 
 
-#: What a rank prints when a C++ thread is still joinable at the process's exit: seen once in a
-#: while from gloo's teardown on a loaded CPU (both ranks' results printed, then rank 0 aborted
-#: with SIGABRT after ``destroy_process_group``), not from the example's work.
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def test_tensor_parallel_example_under_torchrun():
-    """docs/multi-gpu.md's launch line, two CPU ranks over gloo (loopback), bounded in time. A
-    run that printed both ranks' results and then aborted in torch's teardown
-    (:data:`TEARDOWN_ABORT`) is run once more; the second run must exit cleanly."""
+    """docs/multi-gpu.md's launch line, two CPU ranks over gloo (loopback), bounded in time, exiting
+    cleanly (the example ends its group before the interpreter's exit: docs/multi-gpu.md)."""
     import socket
     import subprocess
     import sys
@@ -64,8 +57,6 @@ def test_tensor_parallel_example_under_torchrun():
                                "--steps", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
     proc = launch()
-    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr and proc.stdout.count("max rel diff") == 2:
-        proc = launch()
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for r in (0, 1):
         assert f"rank {r}/2: value heads" in proc.stdout
