@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     try:
         worst = run(args.steps, rank, world, dev)
     finally:
-        # the sharded layers held the group and are gone with run(): this drops its last
-        # reference, so gloo's worker threads are joined here. Left to the interpreter's exit, a
+        # the sharded layers held the group and are gone once run() has returned: this drops its
+        # last reference, so gloo's worker threads are joined here. Left to the interpreter's exit, a
         # worker still releasing the last collective's tensors needs the GIL and aborts the
         # process ('terminate called without an active exception'; pytorch/pytorch#190489)
         dist.destroy_process_group()

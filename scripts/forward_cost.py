@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             entry["splitk_modules"] = len(use_splitk(model, rows=sorted({1, *mine.widths})))
             # the same settings as the variant before: its decode loop holds graphs (and compiled
             # forwards) of the unswapped modules, so drop it and the compiled code with it
-            model._recoverssm.loop = model._recoverssm.loop_key = None
+            model._recoverssm.drop_loop()
             torch._dynamo.reset()
             entry["splitk_configs"] = {f"{m}x{n}x{k}": c for (m, n, k, _), c in TUNED.items()}
         for W in [1, *mine.widths]:
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         entry["graph_replays"] = model._recoverssm.loop.replays
         if splitk:
             use_splitk(model, enable=False)
-            model._recoverssm.loop = model._recoverssm.loop_key = None  # its graphs read the swapped modules
+            model._recoverssm.drop_loop()  # its graphs read the swapped modules
             torch._dynamo.reset()
         res["variants"][name] = entry
         print(f"{name}: loop {entry['loop_tokens_per_s']:.1f} tok/s (first call {entry['first_generate_s']:.1f} s)",

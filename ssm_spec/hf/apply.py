@@ -164,7 +164,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             raise ValueError("apply_recoverssm: tp_group: this model is already converted (its GDN layers hold every "
                              "head); shard on the first conversion: apply_recoverssm(unconverted_model, tp_group=...)")
         if config != model._recoverssm.config:
-            model._recoverssm.loop = model._recoverssm.loop_key = None  # built for the old settings
+            model._recoverssm.drop_loop()  # built for the old settings
         if config.fused_projections != model._recoverssm.config.fused_projections:
             model._recoverssm.kept.cache = None  # its graphs read the old weights
             (fuse_shared_input_linears if config.fused_projections else unfuse_shared_input_linears)(model)

@@ -90,6 +90,14 @@ class RecoverLinearAttentionLayer(LinearAttentionLayer):
         """The cache holding this layer (``None``: none, or it is gone)."""
         return None if self._owner is None else self._owner()
 
+    def __getstate__(self):  # a copy or pickle holds the cache itself: a deep copy's is the cache's copy
+        return {**self.__dict__, "_owner": self.owner}
+
+    def __setstate__(self, state):
+        owner = state.pop("_owner")
+        self.__dict__.update(state)
+        self._owner = None if owner is None else weakref.ref(owner)
+
     def get_seq_length(self) -> int:
         """Tokens held per row, as the owning cache counts them (transformers 5.25's own linear
         layers count their updates; these layers see none)."""

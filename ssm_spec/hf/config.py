@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import inspect
 from dataclasses import dataclass, field
 
@@ -133,6 +134,15 @@ class RecoverSSMRuntime:
         of the original); it gets a copy of the MTP head."""
         return RecoverSSMRuntime(self.config, self.cache_kwarg, experts_implementation=self.experts_implementation,
                                  mtp=copy.deepcopy(self.mtp, memo))
+
+    def drop_loop(self) -> None:
+        """Forget the kept decode loop, freeing its buffers and graphs now (before a new loop makes
+        its own): the loop holds no reference cycle, but a compiled forward's trace leaves some
+        that reach its cache, so a loop that compiled anything is collected here."""
+        loop, self.loop, self.loop_key = self.loop, None, None
+        if loop is not None and loop.compiles:
+            del loop
+            gc.collect()
 
     def placed_mtp(self, device, dtype):
         """The MTP head, moved (in place) to ``device`` and ``dtype`` when the model moved since

@@ -53,8 +53,16 @@ class PendingWindows:
 
     @property
     def pool(self):
-        """The :class:`~ssm_spec.StatePool` this bookkeeping belongs to."""
+        """The :class:`~ssm_spec.StatePool` this bookkeeping belongs to (``None`` once it is gone)."""
         return self._pool()
+
+    def __getstate__(self):  # a copy or pickle holds the pool itself: a deep copy's is the pool's copy
+        return {**self.__dict__, "_pool": self.pool}
+
+    def __setstate__(self, state):
+        pool = state.pop("_pool")
+        self.__dict__.update(state)
+        self._pool = weakref.ref(pool)
 
     def fold_plan(self, metadata, device=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's

@@ -144,8 +144,9 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     inside the target's round: its verify forwards compile when the target's loop does, and
     otherwise as its own setting says (``compile=False``: eager, ``True``: compiled under an
     eager target); tokens equal plain greedy each time, and each rebuild frees the replaced loop's
-    state pools before it makes new ones (a compiled forward's trace leaves reference cycles that
-    reach them)."""
+    state pools, automatic garbage collection off (a compiled forward's trace leaves reference
+    cycles that reach them)."""
+    import gc
     import weakref
 
     ids = torch.tensor([TOK.encode("the cat sat on the mat. the cat sat on the")])
@@ -156,18 +157,24 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     # (target's setting, assistant's setting, the assistant compiles); the same assistant object
     # throughout: a changed setting of either builds another loop
     replaced = []
-    for target_setting, setting, compiles in ((True, "auto", True), (True, False, False), (False, "auto", False),
-                                               (False, True, True)):
-        apply_recoverssm(target, compile=target_setting)
-        apply_recoverssm(draft, compile=setting)
-        out = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, num_assistant_tokens=1)
-        assert torch.equal(out, want), (target_setting, setting)
-        assert all(pool() is None for pool in replaced), (target_setting, setting)
-        loop = target._recoverssm.loop
-        lm = loop.drafter.model
-        assert (lm._verify_forward is not LoopModel._forward) == compiles, (target_setting, setting)
-        replaced = [weakref.ref(loop.target.cache.pool), weakref.ref(lm.cache.pool)]
-        del loop, lm
+    was = gc.isenabled()
+    gc.disable()  # what frees a replaced loop's pools is the rebuild, not an automatic collection
+    try:
+        for target_setting, setting, compiles in ((True, "auto", True), (True, False, False), (False, "auto", False),
+                                                   (False, True, True)):
+            apply_recoverssm(target, compile=target_setting)
+            apply_recoverssm(draft, compile=setting)
+            out = target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=draft, num_assistant_tokens=1)
+            assert torch.equal(out, want), (target_setting, setting)
+            assert all(pool() is None for pool in replaced), (target_setting, setting)
+            loop = target._recoverssm.loop
+            lm = loop.drafter.model
+            assert (lm._verify_forward is not LoopModel._forward) == compiles, (target_setting, setting)
+            replaced = [weakref.ref(loop.target.cache.pool), weakref.ref(lm.cache.pool)]
+            del loop, lm
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_compile_auto_compiles_where_the_loop_captures():

@@ -568,7 +568,10 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     pool = StatePool(layers, num_slots=4, max_tokens=16, max_window=4, **kw)
     md = RecoverSSMMetadata.build([5, 3], [True] * 2, [0, 0], [0, 3], num_slots=4)
     run_stack(layers, torch.randn(8, 32), md, pool)
-    state, pool_ref = weakref.ref(pool.gdn_state(layers[0])), weakref.ref(pool)
+    view = pool.gdn_state(layers[0])  # a view of the pool's state buffer
+    state, pool_ref = weakref.ref(view._base if view._base is not None else view), weakref.ref(pool)
+    del view
+    assert state() is not None
     was = gc.isenabled()
     gc.disable()
     try:
@@ -577,3 +580,27 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     finally:
         if was:
             gc.enable()
+
+
+def test_a_folded_pools_copy_commits_to_itself_and_a_pool_pickles():
+    """The pending-window bookkeeping holds its pool weakly; a deep copy of a folded pool is tied
+    to the copy (its commits fold into the copy's states, the original's stay), and a pool
+    pickles and comes back working."""
+    import copy
+    import pickle
+
+    layers = [RecoverGatedDeltaNet(32, 2, 4, 8, 8), RecoverShortConv(32, 3)]
+    randomize_(layers, 0.3)
+    pool = StatePool(layers, num_slots=4, max_tokens=16, max_window=4, folded=True)
+    prefill = RecoverSSMMetadata.build([5, 3], [True] * 2, [0, 0], [0, 3], num_slots=4)
+    run_stack(layers, torch.randn(8, 32), prefill, pool)
+    commit(pool, prefill, i32([5, 3], "cpu"))
+    for dup in (copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        assert dup.pending.pool is dup
+        before = pool.gdn_state(layers[0]).clone()
+        step = RecoverSSMMetadata.build([3, 2], [False] * 2, [5, 3], [0, 3], num_slots=4)
+        run_stack(layers, torch.randn(5, 32), step, dup)
+        commit(dup, step, i32([2, 1], "cpu"))
+        dup.flush([0, 3])
+        assert torch.equal(pool.gdn_state(layers[0]), before)
+        assert not torch.equal(dup.gdn_state(layers[0]), before)

@@ -11,7 +11,6 @@ at run time) goes to transformers' own loop with one warning that names the opti
 from __future__ import annotations
 
 import functools
-import gc
 import math
 
 import torch
@@ -258,10 +257,8 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                                            tuple(p.data_ptr() for p in head.parameters())))
     loop = runtime.loop
     if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
-        if loop is not None:  # free the old buffers before the new ones: the loop holds no reference
-            # cycle of its own, but a compiled forward's trace leaves some that reach its cache
-            runtime.loop = loop = None
-            gc.collect()
+        loop = None
+        runtime.drop_loop()  # its buffers freed before the new loop's are made
         drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling, head)
         loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
                           state_dtype=config.state_dtype, mode=config.mode, compile=config.compiles_on(device))

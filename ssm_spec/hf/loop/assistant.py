@@ -42,6 +42,7 @@ class AssistantDrafter:
     def __init__(self, model, num_tokens: int, batch_size: int, capacity: int, scoring, sampling: bool, *,
                  state_dtype=torch.float32, mode: str = "exact", compile: bool = False):
         self.k = int(num_tokens)
+        self.compiles = bool(compile)
         self.model = LoopModel(model, batch_size, capacity, self.k + 1, state_dtype=state_dtype, mode=mode,
                                compile=compile)
         self.scoring, self.sampling = scoring, sampling

@@ -46,6 +46,7 @@ class PromptLookup:
             raise ValueError(f"prompt lookup: prompt_lookup_num_tokens={num_tokens}, max_matching_ngram_size="
                              f"{max_ngram}; expected >= 1")
         self.eos = eos
+        self.compiles = bool(compile)
         self._search = compiled(PromptLookup._propose) if compile else PromptLookup._propose  # no cycle
 
     def key(self) -> tuple:

@@ -109,7 +109,9 @@ class MTPDrafter:
         self._g = torch.zeros(int(batch_size), weight.shape[1], dtype=self.dtype, device=device)
         self._rows = None
         self._columns = None
-        self._apply_in_round = compiled(self._apply) if compile else self._apply
+        self.compiles = bool(compile)
+        # a function of (self, ...): a bound method kept on self would be a reference cycle
+        self._apply_in_round = compiled(MTPDrafter._apply) if compile else MTPDrafter._apply
 
     def key(self) -> tuple:
         return ("mtp", id(self.head), self.k, self.sampling)
@@ -150,7 +152,7 @@ class MTPDrafter:
                 d = scores.argmax(dim=-1)
             drafts.append(d)
             if j + 1 < self.k:  # the pair (g, d_{j+1}) at column L + j (layer j + 1 mod the head's layers)
-                g = self._apply_in_round(g[:, None], d[:, None], columns[:, j:j + 1], rows.pad,
+                g = self._apply_in_round(self, g[:, None], d[:, None], columns[:, j:j + 1], rows.pad,
                                          (j + 1) % self.head.num_layers)[:, 0]
         count = torch.full((rows.batch_size,), self.k, dtype=torch.int64, device=rows.device)
         return torch.stack(drafts, dim=1), count, torch.stack(probs, dim=1) if self.sampling else None
@@ -161,6 +163,6 @@ class MTPDrafter:
         output at the last kept one."""
         rows, columns = self._rows, self._columns
         nxt = rows.tokens.gather(1, (columns + 1).clamp_max(rows.capacity - 1))
-        out = self._apply_in_round(hidden, nxt, columns, rows.pad, 0)
+        out = self._apply_in_round(self, hidden, nxt, columns, rows.pad, 0)
         last = accepted.clamp(0, self.k)[:, None, None].expand(-1, 1, out.shape[-1])
         self._g.copy_(out.gather(1, last)[:, 0])

@@ -101,6 +101,8 @@ class DecodeLoop:
                          "offered": torch.zeros(k, **i64), "per_position": torch.zeros(k, **i64)}
         self.replays = 0
         self.eager_rounds = 0
+        #: any of its forwards or bookkeeping compiled (the drafter's by its own setting)
+        self.compiles = bool(compile) or bool(getattr(drafter, "compiles", False))
         # the acceptance counters: integer operations only, fused when the loop compiles
         self._count_fn = compiled(DecodeLoop._add_counts) if compile else DecodeLoop._add_counts
 
