@@ -78,7 +78,9 @@ for part in $PARTS; do
           [ "$covered" = 1 ] || echo "note: $f is in no GPU_TEST_GROUPS group"
         done
         # each group its share of the cores: oversubscribed OpenMP threads slowed the CPU halves
-        # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group
+        # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group (a
+        # fresh machine compiles every Triton kernel and inductor graph on first use: with the whole
+        # suite in seven groups and no Triton cache carried, none had finished at 160 s on an H100)
         threads=$(( $(nproc) / ${#groups[@]} )); [ "$threads" -ge 1 ] || threads=1
         pids=()
         for i in "${!groups[@]}"; do
@@ -89,7 +91,8 @@ for part in $PARTS; do
         : > "$OUT/tests.log"
         for i in "${!pids[@]}"; do
           wait "${pids[$i]}"; rc=$?
-          status=$([ "$rc" -eq 0 ] && echo ok || echo "FAILED (rc $rc)")
+          # pytest's 5: the group holds no -m gpu test (a file of CPU tests only), not a failure
+          case $rc in 0) status=ok ;; 5) status="no GPU tests" ;; 124) status="TIMED OUT (GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-})" ;; *) status="FAILED (rc $rc)" ;; esac
           summary+=("tests group $i [$status] (${groups[$i]}): $(tail -n 1 "$OUT/tests_group$i.log")")
           { echo "===== group $i: ${groups[$i]} (rc $rc)"; cat "$OUT/tests_group$i.log"; } >> "$OUT/tests.log"
           rm -f "$OUT/tests_group$i.log"
