@@ -74,10 +74,12 @@ def join_group(device: str) -> tuple[torch.device, object, int, int]:
 
 
 def leave_group(group) -> None:
-    """Leave the process group cleanly: drop what still holds it (collect garbage: the sharded
-    layers keep a reference), wait for every rank, then destroy it. Without this, one gloo run in
-    ten ended with ``terminate called without an active exception`` (SIGABRT) as a rank exited,
-    after its results were written (torch 2.13, CPU)."""
+    """Leave the process group before the interpreter exits: collect what may still hold it
+    (a compiled or captured step's leftover cycles), wait for every rank, then destroy it, which
+    joins gloo's worker threads. A group left to the interpreter's exit ended one gloo run in ten
+    with ``terminate called without an active exception`` (SIGABRT) after the results were
+    written (torch 2.13, CPU): a worker thread released the last collective's tensors during
+    finalization (pytorch/pytorch#190489; docs/multi-gpu.md)."""
     if group is None:
         return
     gc.collect()
