@@ -67,6 +67,8 @@ def _as_rank(rank: int, world: int, port: int, path: str, body, backend: str = "
 
     NCCL ranks turn cuDNN / cuBLAS TF32 off and ask Triton for IEEE fp32 dots (unless the
     environment already says otherwise), as ``tests/conftest.py`` does for one process."""
+    import ssm_spec  # noqa: F401  before the group: dynamo imported after it holds the group (docs/multi-gpu.md)
+
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if backend == "nccl":
