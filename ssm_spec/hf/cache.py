@@ -9,12 +9,12 @@ and sequence-length fallbacks keep working); the states of every GDN layer live 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionLayer
 
+from .._backref import BackRef
 from .adapter import RecoverGDNAdapter
 from .config import check_mode, check_state_dtype
 from .placement import layer_devices
@@ -81,22 +81,13 @@ class RecoverLinearAttentionLayer(LinearAttentionLayer):
     def __init__(self, owner=None):
         super().__init__(number_of_states=1)
         self.record_past = True
-        # the cache holding it, the one that knows the tokens held; weakly, since the cache holds
-        # this layer: a cycle would keep the cache's state buffers until a garbage-collection pass
-        self._owner = None if owner is None else weakref.ref(owner)
+        # the cache holding it, the one that knows the tokens held (no cycle back)
+        self._owner = None if owner is None else BackRef(owner)
 
     @property
     def owner(self):
         """The cache holding this layer (``None``: none, or it is gone)."""
         return None if self._owner is None else self._owner()
-
-    def __getstate__(self):  # a copy or pickle holds the cache itself: a deep copy's is the cache's copy
-        return {**self.__dict__, "_owner": self.owner}
-
-    def __setstate__(self, state):
-        owner = state.pop("_owner")
-        self.__dict__.update(state)
-        self._owner = None if owner is None else weakref.ref(owner)
 
     def get_seq_length(self) -> int:
         """Tokens held per row, as the owning cache counts them (transformers 5.25's own linear

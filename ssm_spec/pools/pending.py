@@ -9,9 +9,9 @@ counts back. Nothing here synchronises with the device, except the host mirror t
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from .._backref import BackRef
 
 __all__ = ["PendingWindows", "slot_tensor"]
 
@@ -40,9 +40,7 @@ class PendingWindows:
     """
 
     def __init__(self, pool):
-        # the pool holds this object: a strong reference back would make a cycle, and the pool's
-        # buffers would then outlive their last user until a garbage-collection pass
-        self._pool = weakref.ref(pool)
+        self._pool = BackRef(pool)  # the pool holds this object: no cycle back
         self.device = pool.device
         self.num_slots = pool.num_slots
         self.pending_start = torch.zeros(self.num_slots + 1, dtype=torch.int32, device=self.device)
@@ -55,14 +53,6 @@ class PendingWindows:
     def pool(self):
         """The :class:`~ssm_spec.StatePool` this bookkeeping belongs to (``None`` once it is gone)."""
         return self._pool()
-
-    def __getstate__(self):  # a copy or pickle holds the pool itself: a deep copy's is the pool's copy
-        return {**self.__dict__, "_pool": self.pool}
-
-    def __setstate__(self, state):
-        pool = state.pop("_pool")
-        self.__dict__.update(state)
-        self._pool = weakref.ref(pool)
 
     def fold_plan(self, metadata, device=None, layer=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Folded mode: ``(prev_start [B], prev_num_accepted_tokens [B])`` int32 for the step's
