@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -253,3 +255,16 @@ def widen_prompts(monkeypatch, extra: int) -> None:
 
     monkeypatch.setattr(runner, "prompt_width", wider)
     monkeypatch.setattr(loop, "prompt_width", wider)
+
+
+@contextlib.contextmanager
+def gc_off():
+    """Automatic garbage collection off inside the block (restored after): what is freed there is
+    freed by reference counts alone, so a test can see that nothing waits for a collection."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

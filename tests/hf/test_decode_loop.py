@@ -257,10 +257,10 @@ def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
     transformers' loop hold no reference cycle: dropping the last reference frees their state
     pools then, not at a later garbage-collection pass (a rebuilt loop's buffers are then free
     before the new ones are made)."""
-    import gc
     import weakref
 
     from ssm_spec.hf import cache as hf_cache
+    from tests.helpers import gc_off
 
     model = apply_recoverssm(tiny_model("qwen3_5", seed=4))
     draft = _noisy_twin("qwen3_5", 5, torch.device("cpu"))
@@ -272,9 +272,7 @@ def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
         init(self, *args, **kwargs)
         made.append(weakref.ref(self))
 
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_off():
         for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
             model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kw)
             loop = model._recoverssm.loop
@@ -288,9 +286,6 @@ def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
         monkeypatch.setattr(hf_cache.RecoverSSMCache, "__init__", recorded)
         model.generate(ids[:1], max_new_tokens=5, do_sample=False, prompt_lookup_num_tokens=3)
         assert len(made) == 1 and made[0]() is None
-    finally:
-        if was:
-            gc.enable()
 
 
 @pytest.mark.gpu

@@ -146,8 +146,9 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     eager target); tokens equal plain greedy each time, and each rebuild frees the replaced loop's
     state pools, automatic garbage collection off (a compiled forward's trace leaves reference
     cycles that reach them)."""
-    import gc
     import weakref
+
+    from tests.helpers import gc_off
 
     ids = torch.tensor([TOK.encode("the cat sat on the mat. the cat sat on the")])
     want = tiny_model("qwen3_5", seed=7).generate(ids, max_new_tokens=6, do_sample=False)
@@ -157,9 +158,7 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     # (target's setting, assistant's setting, the assistant compiles); the same assistant object
     # throughout: a changed setting of either builds another loop
     replaced = []
-    was = gc.isenabled()
-    gc.disable()  # what frees a replaced loop's pools is the rebuild, not an automatic collection
-    try:
+    with gc_off():  # what frees a replaced loop's pools is the rebuild, not an automatic collection
         for target_setting, setting, compiles in ((True, "auto", True), (True, False, False), (False, "auto", False),
                                                    (False, True, True)):
             apply_recoverssm(target, compile=target_setting)
@@ -172,9 +171,6 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
             assert (lm._verify_forward is not LoopModel._forward) == compiles, (target_setting, setting)
             replaced = [weakref.ref(loop.target.cache.pool), weakref.ref(lm.cache.pool)]
             del loop, lm
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_compile_auto_compiles_where_the_loop_captures():

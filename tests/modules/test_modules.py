@@ -560,8 +560,9 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     """A pool that stepped holds no reference cycle: dropping its last reference frees its state
     buffers then, not at a later garbage-collection pass (with large GPU states that is memory
     a new pool would otherwise have to find beside the old one)."""
-    import gc
     import weakref
+
+    from tests.helpers import gc_off
 
     layers = [RecoverGatedDeltaNet(32, 2, 4, 8, 8), RecoverShortConv(32, 3)]
     randomize_(layers, 0.3)
@@ -572,14 +573,9 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     state, pool_ref = weakref.ref(view._base if view._base is not None else view), weakref.ref(pool)
     del view
     assert state() is not None
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_off():
         del pool
         assert pool_ref() is None and state() is None
-    finally:
-        if was:
-            gc.enable()
 
 
 def test_a_folded_pools_copy_commits_to_itself_and_a_pool_pickles():
