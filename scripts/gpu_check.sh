@@ -81,11 +81,14 @@ for part in $PARTS; do
         # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group (a
         # fresh machine compiles every Triton kernel and inductor graph on first use: with the whole
         # suite in seven groups and no Triton cache carried, none had finished at 160 s on an H100)
+        # the cut is a SIGINT, so pytest prints the failures it has seen (a background job starts
+        # with SIGINT ignored, hence the handler set again)
         threads=$(( $(nproc) / ${#groups[@]} )); [ "$threads" -ge 1 ] || threads=1
+        pytest_interruptible=(python3 -c 'import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))')
         pids=()
         for i in "${!groups[@]}"; do
-          OMP_NUM_THREADS=$threads ${GPU_TEST_TIMEOUT:+timeout "$GPU_TEST_TIMEOUT"} \
-            python3 -m pytest -q -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_group$i.log" 2>&1 &
+          OMP_NUM_THREADS=$threads ${GPU_TEST_TIMEOUT:+timeout -s INT -k 30 "$GPU_TEST_TIMEOUT"} \
+            "${pytest_interruptible[@]}" -q -rf -p no:cacheprovider -m gpu ${groups[$i]} > "$OUT/tests_group$i.log" 2>&1 &
           pids+=($!)
         done
         : > "$OUT/tests.log"

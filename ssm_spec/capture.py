@@ -10,6 +10,7 @@ outside the graph pool would be reused by the allocator while the graph still wr
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 
 import torch
@@ -51,6 +52,25 @@ def host_syncs_raise():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             torch.cuda.set_sync_debug_mode(mode)
+
+
+@contextlib.contextmanager
+def _collection_paused():
+    """Python's automatic garbage collection off inside the block (restored after). A collection
+    inside a capture can free a CUDA graph that sits in a reference cycle (a dropped cache and the
+    forward that captured on it), and destroying a graph while the stream captures is an operation
+    capture forbids: the capture is invalidated ("operation not permitted when stream is capturing
+    (function reset)", then ``cudaErrorStreamCaptureInvalidated`` at its end; seen on the H100 with
+    torch 2.11, whose ``torch.cuda.graph`` no longer collects on entry unless
+    ``torch.compiler.config.force_cudagraph_gc``). The garbage waits for the next collection
+    outside a capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _release_generators(generator) -> str:
@@ -137,7 +157,8 @@ class GraphCapture:
         """Capture ``fn()`` into a new graph in the shared pool; returns ``(graph, fn's result)``.
 
         Host syncs raise while ``fn`` runs, and any block allocated outside the pool by ``fn``
-        (memory on another stream, say) refuses the graph. ``generator`` (a CUDA generator) is
+        (memory on another stream, say) refuses the graph. Automatic garbage collection is off
+        while the stream captures (a collected graph would end the capture). ``generator`` (a CUDA generator) is
         registered with the graph, so each replay draws fresh numbers.
 
         Raises:
@@ -153,7 +174,8 @@ class GraphCapture:
             # thread_local: only this thread's unsafe calls end the capture; in "global" mode a
             # call of another thread of the process (inductor's compile workers, once anything
             # was compiled) can invalidate it
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            with _collection_paused(), torch.cuda.graph(graph, pool=self.mempool,
+                                                        capture_error_mode="thread_local"):
                 # read the allocator around fn alone: entering the capture may itself allocate outside
                 # the pool once per process (the graph-safe RNG's seed and offset tensors)
                 before = _active_blocks_outside(self.mempool)
