@@ -300,7 +300,8 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
     graphed = apply_recoverssm(tiny_model("qwen3_5", seed=7).to(device), cuda_graphs=True)
     eager = apply_recoverssm(tiny_model("qwen3_5", seed=7).to(device), cuda_graphs=False)
     draft = _noisy_twin("qwen3_5", 7, device)
-    for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
+    # prompt lookup last: the longer prompt below runs in the loop it keeps (another drafter builds a new loop)
+    for kw in ({}, {"assistant_model": draft}, {"prompt_lookup_num_tokens": 3}):
         a = graphed.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False, **kw)
         b = eager.generate(ids, attention_mask=mask, max_new_tokens=29, do_sample=False, **kw)
         assert torch.equal(a, b), kw
@@ -308,9 +309,10 @@ def test_captured_rounds_equal_the_eager_loop_and_a_failed_capture_is_loud():
         assert loop.graph is not None and loop.replays > 0 and loop.eager_rounds == 0
         assert loop.prefill_failed is None and list(loop.prefill_graphs) == [64], kw  # the prompt's part captured
     longer, long_mask = _batch([TEXTS[0] * 2, *TEXTS[1:3]], device)  # 84 columns: a second width, 128
+    kept = graphed._recoverssm.loop
     a = graphed.generate(longer, attention_mask=long_mask, max_new_tokens=29, do_sample=False, prompt_lookup_num_tokens=3)
     b = eager.generate(longer, attention_mask=long_mask, max_new_tokens=29, do_sample=False, prompt_lookup_num_tokens=3)
-    assert torch.equal(a, b) and sorted(graphed._recoverssm.loop.prefill_graphs) == [64, 128]
+    assert torch.equal(a, b) and graphed._recoverssm.loop is kept and sorted(kept.prefill_graphs) == [64, 128]
     graphed.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=True)
     sampling = graphed._recoverssm.loop  # kept: its graph draws, and is replayed after the failed capture
     assert sampling.graph is not None
