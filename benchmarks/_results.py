@@ -53,9 +53,28 @@ def resolve_out_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke:
                 "--quick smoke run must not write there")
 
 
+class PartialResults:
+    """What a long run has measured so far, kept on disk as it goes: each call merges its keyword
+    arguments into ``<out_dir>/<stem>.partial.json`` (``{"partial": true, ...}``), so a run cut by a
+    time limit leaves its finished rows behind; :func:`write_results` removes the file when the
+    whole result is written. The device tool's 10-minute call ended the 3.6 B run of
+    ``bench_hf_generate.py`` on an H100 inside its forward profile, after every tokens/s row had
+    printed, and nothing was written."""
+
+    def __init__(self, out_dir: Path, stem: str):
+        self.path = Path(out_dir) / f"{stem}.partial.json"
+        self.parts: dict = {}
+
+    def __call__(self, **parts) -> None:
+        self.parts.update(parts)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"partial": True, **self.parts}, indent=2, default=str) + "\n")
+
+
 def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:
     """Write ``res`` as ``<out_dir>/<stem>.json`` and, where ``save_plot(res, path)`` can
-    (matplotlib installed), ``<stem>.png``; print each path written."""
+    (matplotlib installed), ``<stem>.png``; print each path written. A run's
+    ``<stem>.partial.json`` (:class:`PartialResults`) is removed."""
     out_dir = Path(out_dir)
     note = ("the committed results" if out_dir.resolve() == RESULTS_DIR
             else "git-ignored; --save writes the committed results" if out_dir.resolve() == DEFAULT_OUT_DIR
@@ -65,6 +84,7 @@ def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:
     json_path = out_dir / f"{stem}.json"
     json_path.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {json_path}")
+    (out_dir / f"{stem}.partial.json").unlink(missing_ok=True)
     png_path = out_dir / f"{stem}.png"
     if save_plot(res, png_path):
         print(f"wrote {png_path}")

@@ -69,7 +69,9 @@ falls into loops that prompt lookup can draft from). ``--std 0.2`` gives the uns
 
 Results (JSON and plot) go to ``benchmarks/out/`` (git-ignored) unless asked otherwise: ``--save``
 writes ``benchmarks/results/``, the committed GPU runs (refused for a CPU or ``--quick`` smoke
-run), ``--out-dir DIR`` writes DIR. The output's first lines say where.
+run), ``--out-dir DIR`` writes DIR. The output's first lines say where. While it runs, the rows
+measured so far are kept beside it in ``<name>.partial.json`` (a run cut by a time limit leaves
+them); the whole result replaces that file.
 
 Usage::
 
@@ -85,7 +87,7 @@ import argparse
 import math
 
 import torch
-from _results import HelpFormatter, add_out_args, resolve_out_dir, write_results
+from _results import HelpFormatter, PartialResults, add_out_args, resolve_out_dir, write_results
 from hf_demo import demo_paths, held_out_prompts, mtp_missing, print_demo, run_demo, save_demo_plot
 from hf_environment import environment
 from hf_report import print_table, save_plot
@@ -258,7 +260,7 @@ def main(argv=None) -> dict:
         print_demo(res)
         write_results(res, args.out_dir, f"hf_generate_demo_{args.dtype}", save_demo_plot)
         return res
-    res = run(args)
+    res = run(args, progress=PartialResults(args.out_dir, result_name(args.kind, args.dtype)))
     print_table(res)
     write_results(res, args.out_dir, result_name(args.kind, args.dtype), save_plot)
     return res

@@ -33,11 +33,14 @@ def batch_prompt(tok, sentence: str, repeats: int, batch: int, device) -> torch.
     return torch.tensor(rows, device=device)
 
 
-def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, phases, clock, runs: dict) -> dict:
+def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, phases, clock, runs: dict,
+              progress=None) -> dict:
     """Time the loop's runs on the converted ``model`` and add them to ``runs`` (batch 1 under
     ``loop`` / ``loop+lookup``, other sizes under ``loop@B`` / ``loop+lookup@B``). Returns the
     ``"loop"`` section of the results: per batch size the tokens/s, the ratio and the acceptance;
-    on CUDA the forward GPU times, the floor and the ratios above."""
+    on CUDA the forward GPU times, the floor and the ratios above. ``progress(section)``, where
+    given, is called with the section as it grows (after each batch size and the forwards)."""
+    progress = progress or (lambda section: None)
     from ssm_spec.hf import acceptance_stats, apply_recoverssm, recoverssm_config
     from ssm_spec.hf.loop import bucket_for
 
@@ -68,6 +71,7 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
         section["by_batch"][str(B)] = entry
         print(f"loop batch {B}: {plain['tokens_per_s']:8.1f} tok/s, +lookup {lookup['tokens_per_s']:8.1f} "
               f"({entry['loop_lookup_over_loop']:.2f}x; {mal or 0:.2f} tokens/round)", flush=True)
+        progress(section)
     if device.type == "cuda":
         with phases("loop forwards"):
             bandwidth = copy_bandwidth(device)
@@ -89,5 +93,6 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
             ms_per_token = 1e3 / section["by_batch"]["1"]["loop_tokens_per_s"]
             section.update(loop_ms_per_token=ms_per_token,
                            loop_ms_per_token_over_gpu_forward=ms_per_token / decode["ms"])
+        progress(section)
     apply_recoverssm(model, decode_loop=False, cuda_graphs=False, compile="auto")  # frees the loop's buffers and graphs
     return section

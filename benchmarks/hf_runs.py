@@ -181,9 +181,11 @@ def device_model(args, device):
     return model
 
 
-def run(args) -> dict:
+def run(args, progress=None) -> dict:
     """Build the model of ``args`` and take every measurement of ``bench_hf_generate.py``'s list
-    (transformers' runs before the in-place conversion, ours after it); returns the results dict."""
+    (transformers' runs before the in-place conversion, ours after it); returns the results dict.
+    ``progress`` (a :class:`_results.PartialResults`, or None) is given the config, each run's
+    tokens/s and the loop's section as they are measured."""
     from ssm_spec.hf import ByteTokenizer, RecoverSSMCache, apply_recoverssm, tiny_model
     from ssm_spec.hf import cache_kwarg, kept_cache
 
@@ -209,16 +211,25 @@ def run(args) -> dict:
     P = prompt.shape[1]
     kernels = kernel_sources(model)
     common = dict(new_tokens=N, warmup_tokens=args.warmup_tokens, repeats=args.repeats)
+    progress = progress or (lambda **parts: None)
+    progress(config={"kind": args.kind, **cfg, "dtype": args.dtype, "params": n_params, "new_tokens": N,
+                     "num_draft_tokens": k}, environment=environment(device))
 
     # (1) transformers' own path, (2) its PyTorch reference functions, before the in-place conversion.
     runs = {}
+
+    def measured():  # the rows so far, on disk (a run cut by a time limit keeps them)
+        progress(tokens_per_s={name: r["tokens_per_s"] for name, r in runs.items()}, phases_s=dict(phases.seconds))
+
     runs["hf"] = timed_generate(model, prompt, clock, phases, "hf", **common)
     print(f"hf:          {runs['hf']['tokens_per_s']:8.1f} tok/s", flush=True)
+    measured()
     hf_torch = {"kernels": None, "patched": None, "same_as_hf": None}
     if args.hf_torch:
         runs["hf-torch"], hf_torch = timed_generate_hf_torch(model, prompt, clock, phases, kernels, **common)
         same = f" (the same kernels as hf, {same_kernels_why(kernels)})" if hf_torch["same_as_hf"] else ""
         print(f"hf-torch:    {runs['hf-torch']['tokens_per_s']:8.1f} tok/s{same}", flush=True)
+        measured()
     skipped = {}
     for name, extra in (("hf_lookup", {"prompt_lookup_num_tokens": k}), ("hf_static", {"cache_implementation": "static"})):
         if name in args.skip:
@@ -228,6 +239,7 @@ def run(args) -> dict:
             runs[name] = timed_generate(model, prompt, clock, phases, name, make_extra=lambda extra=extra: dict(extra),
                                         **common)
             print(f"{name + ':':<12} {runs[name]['tokens_per_s']:8.1f} tok/s", flush=True)
+            measured()
         except Exception as exc:  # a release without the feature: recorded, never fatal
             skipped[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             print(f"{name + ':':<12} skipped ({skipped[name]})", flush=True)
@@ -250,6 +262,7 @@ def run(args) -> dict:
     key = cache_kwarg(model)
     runs["ours"] = timed_generate(model, prompt, clock, phases, "ours", **common)
     print(f"ours:        {runs['ours']['tokens_per_s']:8.1f} tok/s", flush=True)
+    measured()
 
     def lookup_cache():
         cache = RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype)
@@ -257,6 +270,7 @@ def run(args) -> dict:
 
     runs["ours+lookup"] = timed_generate(model, prompt, clock, phases, "lookup", make_extra=lookup_cache, **common)
     print(f"ours+lookup: {runs['ours+lookup']['tokens_per_s']:8.1f} tok/s", flush=True)
+    measured()
     acceptance = acceptance_summary(runs["ours+lookup"]["extra"][key].stats)
 
     graphs = None
@@ -264,9 +278,11 @@ def run(args) -> dict:
         apply_recoverssm(model, cuda_graphs=True)
         runs["graphs"] = timed_generate(model, prompt, clock, phases, "graphs", **common)
         print(f"graphs:      {runs['graphs']['tokens_per_s']:8.1f} tok/s", flush=True)
+        measured()
         runs["graphs+lookup"] = timed_generate(model, prompt, clock, phases, "graphs+lookup",
                                                make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
         print(f"graphs+lookup: {runs['graphs+lookup']['tokens_per_s']:6.1f} tok/s", flush=True)
+        measured()
         gcache = kept_cache(model)
         gf = gcache.graphed
         graphs = {"captured": len(gf.graphs), "replays": gf.replays, "eager_forwards": gf.eager_forwards,
@@ -276,7 +292,8 @@ def run(args) -> dict:
 
     loop = None
     if args.loop:
-        loop = loop_runs(model, tok, SENTENCE, args, timed_generate, common, phases, clock, runs)
+        loop = loop_runs(model, tok, SENTENCE, args, timed_generate, common, phases, clock, runs,
+                         progress=lambda section: (measured(), progress(loop=section)))
 
     with phases("ours forwards"):
         ours_forwards = time_forwards(

@@ -55,7 +55,20 @@ if [ -f .gpu_cache/triton_autotune.tar.gz ]; then
   mkdir -p "$TRITON_CACHE" && tar -C "$TRITON_CACHE" -xzf .gpu_cache/triton_autotune.tar.gz \
     && echo "Triton cache carried in: $(tar -tzf .gpu_cache/triton_autotune.tar.gz | grep -c autotune.json) autotune results, $(tar -tzf .gpu_cache/triton_autotune.tar.gz | wc -l) files"
 fi
+# torch.compile's caches likewise (inductor's compiled graphs and the Triton kernels it wrote): on
+# a fresh H100 the compiled decode loop's first calls at the 3.6 B width took most of a 10-minute
+# call. Returned as $OUT/inductor_cache.tar.gz when it packs under 15 MB (the device tool brings
+# back files of up to 16 MiB); carried in from .gpu_cache/ as the Triton cache is.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/ssm_spec_inductor}
+if [ -f .gpu_cache/inductor_cache.tar.gz ]; then
+  mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && tar -C "$TORCHINDUCTOR_CACHE_DIR" -xzf .gpu_cache/inductor_cache.tar.gz \
+    && echo "inductor cache carried in: $(tar -tzf .gpu_cache/inductor_cache.tar.gz | wc -l) files"
+fi
 save_autotune() {
+  if [ -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
+    (cd "$TORCHINDUCTOR_CACHE_DIR" && tar -czf "$OUT/inductor_cache.tar.gz" . \
+      && [ "$(stat -c %s "$OUT/inductor_cache.tar.gz")" -lt 15000000 ] || rm -f "$OUT/inductor_cache.tar.gz")
+  fi
   [ -d "$TRITON_CACHE" ] || return 0
   (cd "$TRITON_CACHE" && tar -czf "$OUT/triton_autotune.tar.gz" . \
     && [ "$(stat -c %s "$OUT/triton_autotune.tar.gz")" -lt 15000000 ] \

@@ -183,8 +183,32 @@ def test_bench_ops_smoke_run():
 
 
 def test_bench_hf_generate_smoke_run():
-    res = json.loads(run_documented("bench_hf_generate.py").read_text())
+    path = run_documented("bench_hf_generate.py")
+    res = json.loads(path.read_text())
     assert res["config"]["quick"]
+    assert not path.with_suffix(".partial.json").exists()  # the whole result replaced it
+
+
+def test_bench_hf_generate_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """A run that ends before its JSON (here: the agreement step fails, after every timed row) has
+    left each row's tokens/s and the loop's section in ``<name>.partial.json``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+    import hf_runs
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt  # what the device tool's time limit does to the run
+
+    monkeypatch.setattr(hf_runs, "token_agreement", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--device", "cpu", "--quick", "--out-dir", str(tmp_path), *CHEAPER["bench_hf_generate.py"]])
+    stem = bench.result_name("qwen3_next", "bfloat16")
+    assert not (tmp_path / f"{stem}.json").exists()
+    partial = json.loads((tmp_path / f"{stem}.partial.json").read_text())
+    assert partial["partial"] and partial["config"]["kind"] == "qwen3_next"
+    assert {"hf", "ours", "ours+lookup", "loop", "loop+lookup"} <= set(partial["tokens_per_s"])
+    assert all(v > 0 for v in partial["tokens_per_s"].values())
+    assert partial["loop"]["by_batch"]["1"]["loop_tokens_per_s"] == partial["tokens_per_s"]["loop"]
 
 
 def _refused(script, argv, capsys, monkeypatch) -> str:
