@@ -119,8 +119,10 @@ class Timer:
                 call(i)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        from ssm_spec.capture import collection_paused
+
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with collection_paused(), torch.cuda.graph(graph):  # a graph collected inside would end the capture
             for i in range(n):
                 call(i)
         us = self.time_fn(graph.replay) / n

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-__all__ = ["CaptureError", "GraphCapture", "host_syncs_raise"]
+__all__ = ["CaptureError", "GraphCapture", "collection_paused", "host_syncs_raise"]
 
 
 class CaptureError(RuntimeError):
@@ -55,7 +55,7 @@ def host_syncs_raise():
 
 
 @contextlib.contextmanager
-def _collection_paused():
+def collection_paused():
     """Python's automatic garbage collection off inside the block (restored after). A collection
     inside a capture can free a CUDA graph that sits in a reference cycle (a dropped cache and the
     forward that captured on it), and destroying a graph while the stream captures is an operation
@@ -174,7 +174,7 @@ class GraphCapture:
             # thread_local: only this thread's unsafe calls end the capture; in "global" mode a
             # call of another thread of the process (inductor's compile workers, once anything
             # was compiled) can invalidate it
-            with _collection_paused(), torch.cuda.graph(graph, pool=self.mempool,
+            with collection_paused(), torch.cuda.graph(graph, pool=self.mempool,
                                                         capture_error_mode="thread_local"):
                 # read the allocator around fn alone: entering the capture may itself allocate outside
                 # the pool once per process (the graph-safe RNG's seed and offset tensors)

@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from ssm_spec.capture import collection_paused
+
 __all__ = ["FUNCTIONAL_VERIFY_OPS", "available", "register_plugins", "compile_verify", "capture_verify_and_commit"]
 
 #: The ops a verify program holds (``torch.ops.ssm_spec.<name>.default``).
@@ -127,7 +129,7 @@ def capture_verify_and_commit(verify: Callable, commit: Callable, static_args, w
             verify(*static_args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collection_paused(), torch.cuda.graph(graph):  # a graph collected inside would end the capture
         outputs = verify(*static_args)
         commit(outputs)
     return graph, outputs
