@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
+import warnings
 from pathlib import Path
 
 #: The committed results (GPU runs quoted in the READMEs): written only on request (``--save``
@@ -55,11 +57,10 @@ def resolve_out_dir(p: argparse.ArgumentParser, args: argparse.Namespace, smoke:
 
 class PartialResults:
     """What a long run has measured so far, kept on disk as it goes: each call merges its keyword
-    arguments into ``<out_dir>/<stem>.partial.json`` (``{"partial": true, ...}``), so a run cut by a
-    time limit leaves its finished rows behind; :func:`write_results` removes the file when the
-    whole result is written. The device tool's 10-minute call ended the 3.6 B run of
-    ``bench_hf_generate.py`` on an H100 inside its forward profile, after every tokens/s row had
-    printed, and nothing was written."""
+    arguments into ``<out_dir>/<stem>.partial.json`` (``{"partial": true, ...}``, replaced whole
+    each time), so a run killed by a time limit leaves its finished rows behind;
+    :func:`write_results` removes the file when the whole result is written. A failed write warns
+    and the run goes on (the rows are a convenience, the run is the point)."""
 
     def __init__(self, out_dir: Path, stem: str):
         self.path = Path(out_dir) / f"{stem}.partial.json"
@@ -67,8 +68,14 @@ class PartialResults:
 
     def __call__(self, **parts) -> None:
         self.parts.update(parts)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"partial": True, **self.parts}, indent=2, default=str) + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"partial": True, **self.parts}, indent=2, default=str) + "\n")
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError) as exc:
+            warnings.warn(f"could not keep the rows measured so far in {self.path}: {exc}", RuntimeWarning,
+                          stacklevel=2)
 
 
 def write_results(res: dict, out_dir: Path, stem: str, save_plot) -> None:

@@ -69,9 +69,9 @@ falls into loops that prompt lookup can draft from). ``--std 0.2`` gives the uns
 
 Results (JSON and plot) go to ``benchmarks/out/`` (git-ignored) unless asked otherwise: ``--save``
 writes ``benchmarks/results/``, the committed GPU runs (refused for a CPU or ``--quick`` smoke
-run), ``--out-dir DIR`` writes DIR. The output's first lines say where. While it runs, the rows
-measured so far are kept beside it in ``<name>.partial.json`` (a run cut by a time limit leaves
-them); the whole result replaces that file.
+run), ``--out-dir DIR`` writes DIR. The output's first lines say where. While a random-weight
+run goes, the rows measured so far are kept beside it in ``<name>.partial.json`` (a run killed
+by a time limit leaves them); the whole result replaces that file.
 
 Usage::
 

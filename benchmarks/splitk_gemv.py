@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from ssm_spec.capture import collection_paused
+
 __all__ = ["splitk_gemv", "splitk_gemv_ref", "split_plan", "CONFIGS", "MAX_ROWS", "graph_us", "best_config", "splitk_linear",
            "use_splitk", "SplitKLinear"]
 
@@ -150,7 +152,7 @@ def graph_us(fn, xs, ws, calls: int, reps: int) -> float:
             fn(xs[i % len(xs)], ws[i % len(ws)])
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with collection_paused(), torch.cuda.graph(graph):  # a graph collected inside would end the capture
         for i in range(calls):
             fn(xs[i % len(xs)], ws[i % len(ws)])
     graph.replay()

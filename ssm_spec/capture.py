@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import warnings
 
 import torch
@@ -54,23 +55,35 @@ def host_syncs_raise():
             torch.cuda.set_sync_debug_mode(mode)
 
 
+_pause_lock = threading.Lock()
+_pauses = 0  # blocks inside collection_paused, over all threads
+_enabled_before = False  # whether collection was on when the first of them began
+
+
 @contextlib.contextmanager
 def collection_paused():
-    """Python's automatic garbage collection off inside the block (restored after). A collection
-    inside a capture can free a CUDA graph that sits in a reference cycle (a dropped cache and the
-    forward that captured on it), and destroying a graph while the stream captures is an operation
-    capture forbids: the capture is invalidated ("operation not permitted when stream is capturing
-    (function reset)", then ``cudaErrorStreamCaptureInvalidated`` at its end; seen on the H100 with
-    torch 2.11, whose ``torch.cuda.graph`` no longer collects on entry unless
-    ``torch.compiler.config.force_cudagraph_gc``). The garbage waits for the next collection
-    outside a capture."""
-    was = gc.isenabled()
-    gc.disable()
+    """Python's automatic garbage collection off inside the block; on again when the last such
+    block of any thread ends, if it was on before the first (``gc`` is per process; an explicit
+    ``gc.collect()`` still runs). A collection inside a capture can free a CUDA graph that sits
+    in a reference cycle (a dropped cache and the forward that captured on it), and destroying a
+    graph while the stream captures is an operation capture forbids: the capture is invalidated
+    ("operation not permitted when stream is capturing (function reset)", then
+    ``cudaErrorStreamCaptureInvalidated`` at its end). ``torch.cuda.graph`` collects on entry
+    only under ``torch.compiler.config.force_cudagraph_gc`` (off by default), and a collection can
+    still start inside the capture. The garbage waits for the next collection outside one."""
+    global _pauses, _enabled_before
+    with _pause_lock:
+        if _pauses == 0:
+            _enabled_before = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _enabled_before:
+                gc.enable()
 
 
 def _release_generators(generator) -> str:

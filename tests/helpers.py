@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass
 
 import torch
+
+from ssm_spec.capture import collection_paused
 
 I32 = torch.int32
 POISON = float("nan")
@@ -261,10 +262,5 @@ def widen_prompts(monkeypatch, extra: int) -> None:
 def gc_off():
     """Automatic garbage collection off inside the block (restored after): what is freed there is
     freed by reference counts alone, so a test can see that nothing waits for a collection."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
+    with collection_paused():
         yield
-    finally:
-        if was:
-            gc.enable()

@@ -190,14 +190,14 @@ def test_bench_hf_generate_smoke_run():
 
 
 def test_bench_hf_generate_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
-    """A run that ends before its JSON (here: the agreement step fails, after every timed row) has
-    left each row's tokens/s and the loop's section in ``<name>.partial.json``."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    """A run that ends before its JSON (here: interrupted in the agreement step, after every timed
+    row) has left each row's tokens/s and the loop's section in ``<name>.partial.json``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench_hf_generate as bench
     import hf_runs
 
     def cut(*args, **kwargs):
-        raise KeyboardInterrupt  # what the device tool's time limit does to the run
+        raise KeyboardInterrupt
 
     monkeypatch.setattr(hf_runs, "token_agreement", cut)
     with pytest.raises(KeyboardInterrupt):

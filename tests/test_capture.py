@@ -1,14 +1,49 @@
-"""``ssm_spec.capture.GraphCapture``: what a capture must survive (CUDA only)."""
+"""``ssm_spec.capture``: what a capture must survive (CUDA), and the collection pause it takes."""
 
 import gc
+import threading
 import weakref
 
 import pytest
 import torch
 
-from ssm_spec.capture import GraphCapture
+from ssm_spec.capture import GraphCapture, collection_paused
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collection_paused_nests_survives_errors_and_restores_the_state_it_found(enabled):
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with pytest.raises(KeyError):
+            with collection_paused():
+                assert not gc.isenabled()
+                with collection_paused():
+                    assert not gc.isenabled()
+                assert not gc.isenabled()  # the outer block still holds it
+                raise KeyError
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_collection_stays_paused_until_the_last_thread_leaves():
+    """Two threads' blocks overlap: the one that began first, and leaves first, does not turn
+    collection back on under the other (``gc`` is per process)."""
+    inside, leave_first, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with collection_paused():
+            inside.set()
+            leave_first.wait(5)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(5)
+    with collection_paused():
+        leave_first.set()
+        t.join(5)
+        seen.append(gc.isenabled())
+    assert seen == [False] and gc.isenabled()
 
 
 class _Cycle:
@@ -19,6 +54,8 @@ class _Cycle:
         self.me = self
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_a_collection_inside_a_capture_does_not_free_a_graph_there():
     """A graph that becomes cyclic garbage while another is captured is not destroyed inside
     the capture (destroying a graph is an operation capture forbids: it invalidated the capture
@@ -36,16 +73,14 @@ def test_a_collection_inside_a_capture_does_not_free_a_graph_there():
 
     def body():
         holder.clear()  # the cycle is garbage from here on, inside the capture
-        survivors.extend({} for _ in range(50_000))  # enough new containers for a full automatic collection
+        survivors.extend({} for _ in range(50_000))  # enough new containers for automatic gen-0 and gen-1 collections
         return x.mul_(2)
 
     graph, out = capturer.capture(body)
-    x.zero_()
+    assert freed() is not None  # no collection ran inside the capture
+    x.fill_(3)
     graph.replay()
     torch.cuda.synchronize(device)
-    assert torch.equal(out, torch.zeros(4, device=device))
-    x.fill_(1)
-    graph.replay()
-    assert torch.equal(x, torch.full((4,), 2.0, device=device))
+    assert torch.equal(out, torch.full((4,), 6.0, device=device))
     gc.collect()
     assert freed() is None
