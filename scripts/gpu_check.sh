@@ -4,7 +4,8 @@
 #   GPU_TESTS="tests/hf tests/ops/gdn/test_ops.py ..." limits the tests part to those folders and files (default: tests/)
 #   GPU_TEST_GROUPS="tests/a.py tests/b|tests/c/d.py" (files or folders) runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
-#   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit)
+#   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit);
+#   GPU_TEST_GROUPS=auto: eight groups balanced by measured times, every test file in one
 #   tp (2 or more GPUs): the NCCL tensor-parallel tests, the captured step at TP 1 and N and its
 #   plot, Hugging Face generate at TP N, for N in TP_SIZES (default: 2 and 4, those the machine
 #   has); TP_TESTS=0 skips the tests; all of it in $OUT/tp/ (the merged step JSON and PNG and the
@@ -83,14 +84,27 @@ for part in $PARTS; do
   case $part in
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
       if [ -n "${GPU_TEST_GROUPS:-}" ]; then  # "a.py b.py|c.py|...": groups run at once (one GPU, 16 cores)
-        IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
+        if [ "$GPU_TEST_GROUPS" = auto ]; then
+          # balanced by the times of a fresh H100 (docs/perf-notes.md): the slowest files alone; a
+          # test file added later, in no group here, joins the last group
+          groups=("tests/ops" "tests/reference tests/modules tests/graphs tests/test_*.py"
+                  "tests/hf/test_device_map.py tests/hf/test_graphs.py tests/hf/test_generate.py"
+                  "tests/hf/test_cli_generate.py tests/hf/test_rollback.py tests/hf/test_fused_linear.py tests/hf/test_fast_mode.py"
+                  "tests/hf/test_model_classes.py" "tests/hf/test_loop_compile.py tests/hf/test_decode_loop.py"
+                  "tests/hf/test_mtp.py" "")
+        else
+          IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
+        fi
         shopt -s globstar
         for f in tests/**/test_*.py; do  # a file in no group would be skipped silently
           [[ $f == tests/interpret/* ]] && continue  # .ci/run's interpreter process; never under -m gpu
           covered=0
-          for g in ${groups[*]}; do [[ $f == "$g" || $f == "${g%/}"/* ]] && covered=1; done
-          [ "$covered" = 1 ] || echo "note: $f is in no GPU_TEST_GROUPS group"
+          for g in ${groups[*]}; do [[ $f == $g || $f == "${g%/}"/* ]] && covered=1; done
+          [ "$covered" = 1 ] && continue
+          if [ "$GPU_TEST_GROUPS" = auto ]; then last=$(( ${#groups[@]} - 1 )); groups[$last]="${groups[$last]:+${groups[$last]} }$f"
+          else echo "note: $f is in no GPU_TEST_GROUPS group"; fi
         done
+        [ -n "${groups[-1]}" ] || unset 'groups[-1]' 
         # each group its share of the cores: oversubscribed OpenMP threads slowed the CPU halves
         # of the device-map tests many times over; GPU_TEST_TIMEOUT (seconds) bounds each group (a
         # fresh machine compiles every Triton kernel and inductor graph on first use: with the whole
