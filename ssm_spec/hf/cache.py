@@ -30,7 +30,9 @@ class AcceptanceStats:
 
     A round is one forward of the last token plus ``d`` drafts followed by a crop that removes
     the rejected ones. ``offered[i]`` counts rounds that had a draft at position ``i``,
-    ``per_position[i]`` those that accepted it.
+    ``per_position[i]`` those that accepted it. Accepted means the target agreed with the draft
+    (the drafter's quality): in a row's last round the output may keep fewer tokens, cut at
+    ``max_new_tokens`` or an EOS, so ``rounds * mean_accepted_length`` can exceed the new tokens.
     """
 
     rounds: int = 0
@@ -55,7 +57,8 @@ class AcceptanceStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens gained per round (accepted drafts plus the target's own token)."""
+        """Tokens a round's verification yields: accepted drafts plus the target's own token
+        (before a last round is cut at the token budget or an EOS)."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property

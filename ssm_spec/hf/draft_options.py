@@ -28,7 +28,8 @@ def check_draft_options(named: dict, setting) -> None:
 
     Raises:
         ValueError: ``prompt_lookup_num_tokens`` or ``num_assistant_tokens`` set to anything but
-            an integer >= 1 (``0`` would mean no drafts, ``2.5`` two);
+            an integer >= 1 (``0`` would mean no drafts, ``2.5`` two); ``use_mtp`` set to
+            anything but a bool (``"no"`` would read as true);
             ``assistant_model`` with ``prompt_lookup_num_tokens`` (transformers' loop would
             silently ignore the assistant and draft by prompt lookup). ``use_mtp`` with another
             drafter is refused by :func:`~ssm_spec.hf.mtp.calls.check_mtp_call`.
@@ -37,6 +38,9 @@ def check_draft_options(named: dict, setting) -> None:
         value = setting(name, None)
         if value is not None:
             _count(name, value)
+    use_mtp = setting("use_mtp", None)
+    if use_mtp is not None and not isinstance(use_mtp, bool):
+        raise ValueError(f"generate: use_mtp={use_mtp!r}; expected True or False")
     if named.get("assistant_model") is not None and setting("prompt_lookup_num_tokens", None) is not None:
         raise ValueError("generate: assistant_model and prompt_lookup_num_tokens: one drafter per call (an assistant, "
                          "prompt lookup or the MTP head)")
