@@ -171,8 +171,8 @@ class GraphCapture:
 
         Host syncs raise while ``fn`` runs, and any block allocated outside the pool by ``fn``
         (memory on another stream, say) refuses the graph. Automatic garbage collection is off
-        while the stream captures (a collected graph would end the capture). ``generator`` (a CUDA generator) is
-        registered with the graph, so each replay draws fresh numbers.
+        while the stream captures (a collected graph would end the capture). ``generator`` (a
+        CUDA generator) is registered with the graph, so each replay draws fresh numbers.
 
         Raises:
             CaptureError: a host sync, an operation CUDA graphs forbid (the error is chained), or

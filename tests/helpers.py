@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-
-from ssm_spec.capture import collection_paused
 
 I32 = torch.int32
 POISON = float("nan")
@@ -257,10 +254,3 @@ def widen_prompts(monkeypatch, extra: int) -> None:
     monkeypatch.setattr(runner, "prompt_width", wider)
     monkeypatch.setattr(loop, "prompt_width", wider)
 
-
-@contextlib.contextmanager
-def gc_off():
-    """Automatic garbage collection off inside the block (restored after): what is freed there is
-    freed by reference counts alone, so a test can see that nothing waits for a collection."""
-    with collection_paused():
-        yield

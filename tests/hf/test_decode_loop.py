@@ -260,7 +260,7 @@ def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
     import weakref
 
     from ssm_spec.hf import cache as hf_cache
-    from tests.helpers import gc_off
+    from ssm_spec.capture import collection_paused
 
     model = apply_recoverssm(tiny_model("qwen3_5", seed=4))
     draft = _noisy_twin("qwen3_5", 5, torch.device("cpu"))
@@ -272,7 +272,7 @@ def test_a_dropped_loop_or_cache_frees_its_state_buffers_at_once(monkeypatch):
         init(self, *args, **kwargs)
         made.append(weakref.ref(self))
 
-    with gc_off():
+    with collection_paused():
         for kw in ({}, {"prompt_lookup_num_tokens": 3}, {"assistant_model": draft}):
             model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, **kw)
             loop = model._recoverssm.loop

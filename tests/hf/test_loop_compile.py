@@ -148,7 +148,7 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     cycles that reach them)."""
     import weakref
 
-    from tests.helpers import gc_off
+    from ssm_spec.capture import collection_paused
 
     ids = torch.tensor([TOK.encode("the cat sat on the mat. the cat sat on the")])
     want = tiny_model("qwen3_5", seed=7).generate(ids, max_new_tokens=6, do_sample=False)
@@ -158,7 +158,7 @@ def test_an_assistant_converted_with_defaults_compiles_with_the_target_loop():
     # (target's setting, assistant's setting, the assistant compiles); the same assistant object
     # throughout: a changed setting of either builds another loop
     replaced = []
-    with gc_off():  # what frees a replaced loop's pools is the rebuild, not an automatic collection
+    with collection_paused():  # what frees a replaced loop's pools is the rebuild, not an automatic collection
         for target_setting, setting, compiles in ((True, "auto", True), (True, False, False), (False, "auto", False),
                                                    (False, True, True)):
             apply_recoverssm(target, compile=target_setting)

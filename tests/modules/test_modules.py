@@ -562,7 +562,7 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     a new pool would otherwise have to find beside the old one)."""
     import weakref
 
-    from tests.helpers import gc_off
+    from ssm_spec.capture import collection_paused
 
     layers = [RecoverGatedDeltaNet(32, 2, 4, 8, 8), RecoverShortConv(32, 3)]
     randomize_(layers, 0.3)
@@ -573,7 +573,7 @@ def test_a_dropped_pool_frees_its_buffers_at_once(kw):
     state, pool_ref = weakref.ref(view._base if view._base is not None else view), weakref.ref(pool)
     del view
     assert state() is not None
-    with gc_off():
+    with collection_paused():
         del pool
         assert pool_ref() is None and state() is None
 
