@@ -256,9 +256,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.model is not None:  # a trained pair on held-out code prompts
-        res = {**run_demo(args), "environment": environment(torch.device(args.device))}
+        stem = f"hf_generate_demo_{args.dtype}"
+        res = {**run_demo(args, progress=PartialResults(args.out_dir, stem)),
+               "environment": environment(torch.device(args.device))}
         print_demo(res)
-        write_results(res, args.out_dir, f"hf_generate_demo_{args.dtype}", save_demo_plot)
+        write_results(res, args.out_dir, stem, save_demo_plot)
         return res
     res = run(args, progress=PartialResults(args.out_dir, result_name(args.kind, args.dtype)))
     print_table(res)

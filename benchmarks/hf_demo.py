@@ -204,10 +204,13 @@ def summarize_runs(rows: list[dict]) -> dict:
     return summary
 
 
-def run_demo(ns) -> dict:
+def run_demo(ns, progress=None) -> dict:
     """Run every prompt through the runs above; returns the results dict (per prompt and summed).
     Each run records its timed calls' seconds and their spread (a warning names a run whose calls
-    differ by more than ``timing.TIMING_SPREAD_LIMIT``)."""
+    differ by more than ``timing.TIMING_SPREAD_LIMIT``), and prints its tokens/s as it is measured.
+    ``progress`` (a :class:`_results.PartialResults`, or None) is given the pair and the per-prompt
+    rows after each run, so a run cut by a time limit keeps what it measured."""
+    progress = progress or (lambda **parts: None)
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
     from ssm_spec.hf.cli_generate import _load_pretrained, load_draft, timed_generate
 
@@ -239,6 +242,10 @@ def run_demo(ns) -> dict:
         rows.append({"file": p["file"], "kind": p["kind"], "prompt_tokens": x.shape[1],
                      "runs": {"hf": {"tokens_per_s": plain[i].tokens_per_s, "times_s": list(plain[i].times),
                                      "times_spread": timing_spread(f"hf, prompt {i}", plain[i].times)}}})
+        print(f"prompt {i}, {'hf':<16} {plain[i].tokens_per_s:9.1f} tok/s", flush=True)
+    pair = {"model": recorded_path(target_dir), "draft": recorded_path(draft_dir), "dtype": ns.dtype,
+            "device": str(device), "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens}
+    progress(**pair, prompts=rows)
     for prefix, loop, graphs in modes:
         apply_recoverssm(target, decode_loop=loop, cuda_graphs=graphs,
                          compile={"on": True, "off": False}.get(getattr(ns, "compile", "auto"), "auto"))
@@ -259,10 +266,12 @@ def run_demo(ns) -> dict:
                                  acceptance_rate=r.stats.acceptance_rate,
                                  position_rates=list(r.stats.position_rates))
                 rows[i]["runs"][key] = entry
+                per_round = f" ({r.stats.mean_accepted_length:.2f} tokens/round)" if r.stats is not None else ""
+                print(f"prompt {i}, {key:<16} {r.tokens_per_s:9.1f} tok/s{per_round}", flush=True)
+                progress(prompts=rows)
     summary = summarize_runs(rows)
     mtp = mtp_section(summary, mtp_ks) if mtp_ks else {"skipped": no_mtp or "--mtp-k names no k"}
-    return {"model": recorded_path(target_dir), "draft": recorded_path(draft_dir), "dtype": ns.dtype, "device": str(device),
-            "new_tokens": ns.new_tokens, "num_draft_tokens": ns.num_draft_tokens, "repeats": ns.repeats,
+    return {**pair, "repeats": ns.repeats,
             "held_out_bits_per_byte": manifest.get("held_out_bits_per_byte"), "prompts": rows, "summary": summary,
             "mtp": mtp}
 

@@ -463,6 +463,36 @@ def test_bench_hf_generate_demo_runs_convert_with_the_compile_option(monkeypatch
     assert seen == [want]
 
 
+def test_bench_hf_generate_demo_cut_short_keeps_and_prints_the_rows_it_measured(monkeypatch, tmp_path, capsys):
+    """``--model demo`` interrupted after its timed runs (here: in the summary) has printed each
+    run's tokens/s and left the per-prompt rows in ``hf_generate_demo_<dtype>.partial.json``."""
+    pytest.importorskip("safetensors")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+    import hf_demo
+
+    from ssm_spec.assets import demo_available
+
+    if not demo_available():
+        pytest.skip("this build carries no demo pair")
+
+    def cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_demo, "summarize_runs", cut)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", "demo", "--device", "cpu", "--loop-only", "--prompt-files", "1", "--mtp-k", "1",
+                    "--new-tokens", "3", "--warmup-tokens", "1", "--repeats", "1", "--out-dir", str(tmp_path)])
+    assert not (tmp_path / "hf_generate_demo_bfloat16.json").exists()
+    partial = json.loads((tmp_path / "hf_generate_demo_bfloat16.partial.json").read_text())
+    assert partial["partial"] and partial["model"] and len(partial["prompts"]) == 2  # one file: continuation, edit
+    names = {"hf", "loop", "loop+lookup", "loop+draft", "loop+mtp k=1"}
+    for row in partial["prompts"]:
+        assert set(row["runs"]) == names and all(r["tokens_per_s"] > 0 for r in row["runs"].values())
+    printed = capsys.readouterr().out
+    assert all(f"prompt 1, {name} " in printed for name in names)
+
+
 def test_round_parts_attributes_a_round_and_leaves_the_loop_as_it_was():
     """benchmarks/round_parts.py on the CPU (operators, not kernels): the profiled call's parts
     include the verify, the append and the commit (and the drafter's for prompt lookup), its
