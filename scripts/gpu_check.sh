@@ -5,7 +5,7 @@
 #   GPU_TEST_GROUPS="tests/a.py tests/b|tests/c/d.py" (files or folders) runs each group in its own pytest process at
 #   the same time instead (the whole -m gpu suite takes over 10 minutes in one process), each
 #   with nproc / groups OpenMP threads and at most GPU_TEST_TIMEOUT seconds (unset: no limit);
-#   GPU_TEST_GROUPS=auto: eight groups balanced by measured times, every test file in one
+#   GPU_TEST_GROUPS=auto: nine groups balanced by measured times, every test file in one
 #   tp (2 or more GPUs): the NCCL tensor-parallel tests, the captured step at TP 1 and N and its
 #   plot, Hugging Face generate at TP N, for N in TP_SIZES (default: 2 and 4, those the machine
 #   has); TP_TESTS=0 skips the tests; all of it in $OUT/tp/ (the merged step JSON and PNG and the
@@ -85,13 +85,16 @@ for part in $PARTS; do
     tests)  # the CUDA variants (-m gpu); CI runs the CPU ones
       if [ -n "${GPU_TEST_GROUPS:-}" ]; then  # "a.py b.py|c.py|...": groups run at once (one GPU, 16 cores)
         if [ "$GPU_TEST_GROUPS" = auto ]; then
-          # balanced by the times of a fresh H100 (docs/perf-notes.md): the slowest files alone; a
-          # test file added later, in no group here, joins the last group
+          # balanced by the times of a fresh H100 (docs/perf-notes.md): the slowest files alone, the
+          # MTP file's two sharded-checkpoint cases apart from the rest of it; a test file added
+          # later, in no group here, joins the last group
+          sharded="tests/hf/test_mtp.py::test_greedy_with_the_mtp_head_equals_plain_greedy[cuda-sharded-qwen3_next]"
+          sharded="$sharded ${sharded%\[*}[cuda-sharded-qwen3_5]"
           groups=("tests/ops" "tests/reference tests/modules tests/graphs tests/test_*.py"
                   "tests/hf/test_device_map.py tests/hf/test_graphs.py tests/hf/test_generate.py"
                   "tests/hf/test_cli_generate.py tests/hf/test_rollback.py tests/hf/test_fused_linear.py tests/hf/test_fast_mode.py"
                   "tests/hf/test_model_classes.py" "tests/hf/test_loop_compile.py tests/hf/test_decode_loop.py"
-                  "tests/hf/test_mtp.py" "")
+                  "tests/hf/test_mtp.py $(printf -- '--deselect=%s ' $sharded)" "$sharded" "")
         else
           IFS='|' read -ra groups <<< "$GPU_TEST_GROUPS"
         fi
