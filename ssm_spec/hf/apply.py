@@ -18,7 +18,7 @@ from .config import RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_convert
 from .experts import capture_safe_experts
 from .fused_linear import fuse_shared_input_linears, unfuse_shared_input_linears
 from .graphed import SUPPORTED_ATTENTION
-from .draft_options import check_draft_options, check_fallback, draft_length
+from .draft_options import check_attention_mask, check_draft_options, check_fallback, draft_length
 from .mtp.calls import check_mtp_call, load_head_for_apply
 from .placement import carry_hook, placement_problem
 
@@ -250,12 +250,13 @@ def _generate(self, *args, **kwargs):
     if media:
         raise ValueError(f"generate: {', '.join(media)}: a converted model takes text prompts only (its GDN cache "
                          "does not track image or video tokens); call generate on the unconverted model for those")
+    check_draft_options(named, lambda name, default: _setting(self, gen_config, named, name, default))
+    check_attention_mask(named)
     assistant = named.get("assistant_model")
     if assistant is not None and has_unconverted_gdn(assistant):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
                          "states cannot be rolled back exactly; convert it with ssm_spec.hf.apply_recoverssm(assistant) "
                          "first")
-    check_draft_options(named, lambda name, default: _setting(self, gen_config, named, name, default))
     use_mtp = bool(_setting(self, gen_config, named, "use_mtp", False))
     if use_mtp:
         check_mtp_call(self, named, lambda name, default: _setting(self, gen_config, named, name, default))

@@ -510,3 +510,46 @@ def test_the_loops_draft_length_where_num_assistant_tokens_is_left_at_its_defaul
     ids, mask = _batch(TEXTS[:2], "cpu")
     model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, assistant_model=draft)
     assert model._recoverssm.loop.k == LOOP_NUM_ASSISTANT_TOKENS
+
+
+def test_an_attention_mask_that_is_not_the_prompts_is_refused_and_nothing_changes():
+    """A mask of another shape, with values other than 0 and 1, or with a row of no tokens raises
+    a ``ValueError`` naming ``attention_mask`` before anything runs (transformers' unconverted
+    model fails inside a forward on the first, and reads the others differently); the model then
+    generates as before."""
+    ref = tiny_model("qwen3_5", seed=0)
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
+    ids, mask = _batch(TEXTS[:2])
+    bad = [(mask[:, :3], r"attention_mask is \[2, 3\]; expected the prompt's shape"),
+           (mask[:1], r"attention_mask is \[1, \d+\]"),
+           (mask * 2, "values other than 0 and 1"),
+           (torch.cat([mask[:1], torch.zeros_like(mask[1:])]), "row 1 has no tokens")]
+    for drafts in ({}, {"prompt_lookup_num_tokens": 3}):
+        for m, words in bad:
+            with pytest.raises(ValueError, match=words):
+                model.generate(ids, attention_mask=m, max_new_tokens=4, do_sample=False, **drafts)
+    assert model._recoverssm.loop is None
+    _check_rows(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False), ids.shape[1],
+                _own(ref, TEXTS[:2], 6, "cpu"), TOK.pad_token_id)
+
+
+@pytest.mark.parametrize("decode_loop", [True, False])
+def test_a_draft_length_past_the_token_budget_is_cut_to_it(decode_loop):
+    """``prompt_lookup_num_tokens=100000`` for a 5-token call asked for gigabytes of buffers
+    and verify columns; now the decode loop drafts at most the budget a round, transformers' loop
+    (whose prompt lookup proposes up to the sequence's length) rolls back at most the longest
+    sequence, and both give plain greedy's tokens; a later call with a larger budget drafts more."""
+    ref = tiny_model("qwen3_next", seed=0)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=0), decode_loop=decode_loop)
+    ids = torch.tensor([TOK.encode(TEXTS[0])])
+    for n in (5, 9):
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=100_000)
+        assert torch.equal(out, ref.generate(ids, max_new_tokens=n, do_sample=False))
+        stats = acceptance_stats(model)
+        assert stats is not None and stats.rounds >= 1
+        if decode_loop:
+            assert model._recoverssm.loop.drafter.k == n and stats.drafted <= n * stats.rounds
+        else:
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=100_000,
+                                 return_dict_in_generate=True)
+            assert out.past_key_values.max_pending <= ids.shape[1] + n + 1

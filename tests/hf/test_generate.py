@@ -207,8 +207,9 @@ def test_unconverted_gdn_assistant_is_refused():
 @pytest.mark.parametrize("decode_loop", [True, False])
 def test_draft_options_that_cannot_mean_what_they_say_are_refused(decode_loop):
     """Draft counts that are not integers >= 1 (0, 2.5, "5", True), a ``use_mtp`` that is not a
-    bool and an assistant with prompt lookup (transformers' loop would draft by lookup and ignore
-    the assistant) raise before
+    bool, an assistant with prompt lookup (transformers' loop would draft by lookup and ignore
+    the assistant), an assistant that is a name, not a model, and ``assistant_early_exit`` (the
+    loop would ignore it and draft nothing) raise before
     anything runs, naming the option, in either loop; a numpy integer is a count."""
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0), decode_loop=decode_loop)
     draft = apply_recoverssm(tiny_model("qwen3_5", seed=1))
@@ -218,7 +219,9 @@ def test_draft_options_that_cannot_mean_what_they_say_are_refused(decode_loop):
                       (dict(prompt_lookup_num_tokens=True), "prompt_lookup_num_tokens=True;"),
                       (dict(assistant_model=draft, num_assistant_tokens=-2), "num_assistant_tokens=-2;"),
                       (dict(assistant_model=draft, prompt_lookup_num_tokens=3), "one drafter per call"),
-                      (dict(use_mtp="no"), "use_mtp='no';"), (dict(use_mtp=1), "use_mtp=1;")]:
+                      (dict(use_mtp="no"), "use_mtp='no';"), (dict(use_mtp=1), "use_mtp=1;"),
+                      (dict(assistant_model="Qwen/Qwen3.5-0.8B"), "assistant_model is a str; expected a loaded"),
+                      (dict(assistant_early_exit=2), "assistant_early_exit is not supported")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             model.generate(_ids(), max_new_tokens=3, do_sample=False, **kw)
     assert model._recoverssm.loop is None and model._recoverssm.last_stats is None

@@ -132,6 +132,12 @@ def draft_tokens(generation_config) -> int:
 
 
 def _prompt_padding(input_ids: torch.Tensor, attention_mask) -> torch.Tensor:
+    """Each row's left padding ``[B]`` from the call's ``attention_mask`` (``None``: none; its
+    shape and values were checked by :func:`~ssm_spec.hf.draft_options.check_attention_mask`).
+
+    Raises:
+        LoopFallback: right padding or gaps (transformers' loop runs those).
+    """
     if attention_mask is None:
         return torch.zeros(input_ids.shape[0], dtype=torch.int64, device=input_ids.device)
     mask = attention_mask.to(torch.bool)
@@ -173,21 +179,33 @@ def _eos(generation_config, device) -> torch.Tensor:
     return eos.reshape(-1).to(device=device, dtype=torch.int64)
 
 
-def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling, head=None):
+def call_draft_tokens(generation_config, assistant, mtp: bool, max_new: int) -> int:
+    """The call's draft length ``k``: the MTP head's or an assistant's :func:`draft_tokens`, or
+    ``prompt_lookup_num_tokens``; 0 without a drafter. At most ``max_new`` (at least 1): drafts
+    past the call's token budget are never kept, and each costs verify columns and buffer rows
+    (``prompt_lookup_num_tokens=100000`` would ask for gigabytes for a five-token call)."""
+    if mtp:
+        k = draft_tokens(generation_config)
+    elif getattr(generation_config, "prompt_lookup_num_tokens", None):
+        k = int(generation_config.prompt_lookup_num_tokens)
+    elif assistant is not None:
+        k = draft_tokens(assistant.generation_config)
+    else:
+        return 0
+    return min(k, max(1, max_new))
+
+
+def _drafter(model, assistant, generation_config, eos, bucket, capacity, scoring, sampling, k: int, head=None):
     from ..config import recoverssm_config
     from ..config import is_converted
 
     compiles = recoverssm_config(model).compiles_on(model.get_input_embeddings().weight.device)
     if head is not None:
-        return MTPDrafter(model, head, draft_tokens(generation_config), bucket, capacity, scoring, sampling,
-                          compile=compiles)
-    k = getattr(generation_config, "prompt_lookup_num_tokens", None)
-    if k:
-        return PromptLookup(int(k), getattr(generation_config, "max_matching_ngram_size", None), eos,
-                            compile=compiles)
+        return MTPDrafter(model, head, k, bucket, capacity, scoring, sampling, compile=compiles)
+    if getattr(generation_config, "prompt_lookup_num_tokens", None):
+        return PromptLookup(k, getattr(generation_config, "max_matching_ngram_size", None), eos, compile=compiles)
     if assistant is None:
         return None
-    k = draft_tokens(assistant.generation_config)
     config = recoverssm_config(assistant) if is_converted(assistant) else None
     # a converted assistant's forwards compile as its own setting says, and under "auto" (the
     # default of apply_recoverssm, which an assistant converted without options has) as the
@@ -238,11 +256,8 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
             raise ValueError("generate: use_mtp=True but the model holds no MTP head (apply_recoverssm(model, mtp=PATH) "
                              "loads one; the converted generate loads the checkpoint's own)")
         head = runtime.placed_mtp(device, model.get_input_embeddings().weight.dtype)
-    k_max = max(int(getattr(generation_config, "prompt_lookup_num_tokens", None) or 0),
-                draft_tokens(ssm_assistant.generation_config)
-                if ssm_assistant is not None else 0,
-                draft_tokens(generation_config) if head is not None else 0)
-    need = prompt_width(P, bool(config.cuda_graphs) and device.type == "cuda") + max_new + k_max + 2
+    k = call_draft_tokens(generation_config, ssm_assistant, head is not None, max_new)
+    need = prompt_width(P, bool(config.cuda_graphs) and device.type == "cuda") + max_new + k + 2
     capacity = -(-need // CAPACITY_ROUND) * CAPACITY_ROUND
     scoring = Scoring(processors, eos)
     weight = model.get_input_embeddings().weight
@@ -253,13 +268,13 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 getattr(generation_config, "prompt_lookup_num_tokens", None),
                 getattr(generation_config, "max_matching_ngram_size", None),
                 None if ssm_assistant is None else draft_tokens(ssm_assistant.generation_config),
-                None if head is None else ("mtp", draft_tokens(generation_config), id(head),
-                                           tuple(p.data_ptr() for p in head.parameters())))
+                None if head is None else ("mtp", id(head), tuple(p.data_ptr() for p in head.parameters())),
+                k)
     loop = runtime.loop
     if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
         loop = None
         runtime.drop_loop()  # its buffers freed before the new loop's are made
-        drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling, head)
+        drafter = _drafter(model, ssm_assistant, generation_config, eos, bucket, capacity, scoring, sampling, k, head)
         loop = DecodeLoop(model, bucket, capacity, drafter, scoring, sampling, eos, pad_id, graphs=config.cuda_graphs,
                           state_dtype=config.state_dtype, mode=config.mode, compile=config.compiles_on(device))
         runtime.loop, runtime.loop_key = loop, key_base
