@@ -51,7 +51,7 @@ def check_draft_options(named: dict, setting) -> None:
     use_mtp = setting("use_mtp", None)
     if use_mtp is not None and not isinstance(use_mtp, bool):
         raise ValueError(f"generate: use_mtp={use_mtp!r}; expected True or False")
-    if named.get("assistant_model") is not None and setting("prompt_lookup_num_tokens", None) is not None:
+    if assistant is not None and setting("prompt_lookup_num_tokens", None) is not None:
         raise ValueError("generate: assistant_model and prompt_lookup_num_tokens: one drafter per call (an assistant, "
                          "prompt lookup or the MTP head)")
 
@@ -78,7 +78,7 @@ def check_attention_mask(named: dict) -> None:
         raise ValueError(f"generate: attention_mask is {shape}; expected the prompt's shape {list(prompt.shape)}")
     if bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("generate: attention_mask holds values other than 0 and 1")
-    empty = (mask == 0).all(-1) if mask.dim() == 2 else torch.zeros(1, dtype=torch.bool)
+    empty = (mask == 0).all(-1).reshape(-1)
     if bool(empty.any()):
         raise ValueError(f"generate: attention_mask row {int(empty.nonzero()[0])} has no tokens (all zeros)")
 
@@ -121,8 +121,9 @@ def draft_length(generation_config, kwargs) -> int:
         # than the call's longest sequence (transformers 5.25 proposes past the token budget)
         k = int(get("prompt_lookup_num_tokens"))
         prompt = kwargs.get("inputs") if kwargs.get("inputs") is not None else kwargs.get("input_ids")
-        longest = (prompt.shape[-1] + int(get("max_new_tokens")) if isinstance(prompt, torch.Tensor)
-                   and get("max_new_tokens") is not None else get("max_length"))
+        longest, new = get("max_length"), get("max_new_tokens")
+        if isinstance(prompt, torch.Tensor) and new is not None:
+            longest = prompt.shape[-1] + int(new)
         return min(k, int(longest)) if longest else k
     if assistant is not None:
         cfg = assistant.generation_config

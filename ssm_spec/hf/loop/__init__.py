@@ -265,11 +265,10 @@ def loop_generate(model, input_ids, logits_processor=None, stopping_criteria=Non
                 torch.is_inference_mode_enabled(), tuple(p.data_ptr() for p in model.parameters()),
                 None if ssm_assistant is None else tuple(p.data_ptr() for p in ssm_assistant.parameters()),
                 recoverssm_config(ssm_assistant) if ssm_assistant is not None and is_converted(ssm_assistant) else None,
-                getattr(generation_config, "prompt_lookup_num_tokens", None),
+                bool(getattr(generation_config, "prompt_lookup_num_tokens", None)),
                 getattr(generation_config, "max_matching_ngram_size", None),
-                None if ssm_assistant is None else draft_tokens(ssm_assistant.generation_config),
                 None if head is None else ("mtp", id(head), tuple(p.data_ptr() for p in head.parameters())),
-                k)
+                k)  # the drafter's draft length, whichever drafter it is (call_draft_tokens)
     loop = runtime.loop
     if loop is None or runtime.loop_key != key_base or loop.rows.capacity < need:
         loop = None
