@@ -136,8 +136,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(generate(use_mtp=True, num_assistant_tokens=K)); default 1 2 3 4 5 where the checkpoint "
                         "has mtp.* weights (skipped, and said so, where it has none; named here, refused)")
     p.add_argument("--loop-only", action="store_true",
-                   help="with --model: only hf and the decode loop's runs (loop, loop+lookup, loop+draft, loop+mtp), "
-                        "not transformers' loop on the converted model (ours*, graphs*)")
+                   help="only transformers' baselines and the decode loop's runs (loop, loop+lookup; with --model "
+                        "also loop+draft, loop+mtp), not transformers' loop on the converted model (ours*, graphs*, "
+                        "and ours's single forwards)")
     p.add_argument("--kind", choices=list(KINDS), default="qwen3_next",
                    help="model class (ssm_spec.hf.tiny.KINDS): the *_moe kinds have expert layers in every layer; "
                         "the *_vl kinds are the vision-language classes, run on text prompts")
@@ -230,8 +231,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--new-tokens, --num-draft-tokens, --repeats, --forward-reps, --warmup-tokens must be >= 1")
     if args.model is None and args.draft is not None:
         p.error("--draft needs --model (the random-weight runs draft by prompt lookup)")
-    if args.model is None and (args.mtp_k is not None or args.loop_only):
-        p.error("--mtp-k and --loop-only need --model (the random-weight runs have no MTP head)")
+    if args.model is None and args.mtp_k is not None:
+        p.error("--mtp-k needs --model (the random-weight runs have no MTP head)")
+    if args.loop_only and not args.loop:
+        p.error("--loop-only and --no-loop leave nothing of ours to run")
     if args.model is not None:  # the trained pair and its prompts, checked before anything loads
         if min(args.prompt_files, args.prompt_bytes) < 1:
             p.error("--prompt-files and --prompt-bytes must be >= 1")

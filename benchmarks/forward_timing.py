@@ -76,7 +76,7 @@ def weight_read_floor_ms(model, bandwidth: float) -> tuple[float, int]:
 
 
 def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt_len: int = 64,
-                        compile: bool = False) -> dict:
+                        compile: bool = False, capacity: int | None = None) -> dict:
     """Kernel time of one target verify forward of ``width`` tokens per row (``width=1``: a
     decode step) through the decode loop's forward (:class:`ssm_spec.hf.loop.forward.LoopModel`),
     after a prefill of ``prompt_len`` tokens: ``{"ms": median over reps, "kernels": kernels per
@@ -84,14 +84,19 @@ def loop_forward_gpu_ms(model, width: int, reps: int = 5, batch: int = 1, prompt
     first two forwards' wall time (compiling with ``compile``), "breakdown": the last timed
     forward's :func:`kernel_breakdown`}``. Each forward verifies from the
     same state (nothing is committed); ``compile``: through ``torch.compile`` as the loop's
-    ``compile=True`` runs it."""
+    ``compile=True`` runs it. ``capacity``: token columns of the buffers (default: the prompt, the
+    window and 8); give a decode loop's own (``loop.rows.capacity``, with its ``batch`` bucket and
+    ``width = k + 1``) and the forward attends over as many columns as that loop's does and reuses
+    its compiled graph (dynamo's guards hold for another model of the same shapes)."""
     from ssm_spec.hf import recoverssm_config
     from ssm_spec.hf.loop.forward import LoopModel
     from ssm_spec.hf.loop.rows import Rows
 
     config = recoverssm_config(model)
     device = model.get_input_embeddings().weight.device
-    capacity = prompt_len + width + 8
+    capacity = capacity or prompt_len + width + 8
+    if capacity < prompt_len + width:
+        raise ValueError(f"capacity={capacity} holds fewer columns than prompt_len + width = {prompt_len + width}")
     target = LoopModel(model, batch, capacity, width, state_dtype=config.state_dtype, mode=config.mode,
                        compile=compile)
     rows = Rows(batch, capacity, device, pad_token_id=0)

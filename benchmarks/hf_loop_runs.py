@@ -51,12 +51,17 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
     apply_recoverssm(model, decode_loop=True, cuda_graphs=graphs, compile=setting)
     compiled = recoverssm_config(model).compiles_on(device)
     section = {"cuda_graphs": graphs, "compile": compiled, "num_draft_tokens": k, "by_batch": {}}
+    capacity: dict[int, int] = {}  # window width -> token columns of the batch-1 loop that ran it
     for B in args.batch:
         ids = batch_prompt(tok, sentence, args.prompt_repeats, B, device)
         suffix = "" if B == 1 else f"@{B}"
         plain = timed_generate(model, ids, clock, phases, f"loop{suffix}", **common)
+        if B == 1:  # the forwards below are timed on the buffers of these loops (their compiled graphs reused)
+            capacity = {1: model._recoverssm.loop.rows.capacity}
         lookup = timed_generate(model, ids, clock, phases, f"loop+lookup{suffix}",
                                 make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
+        if B == 1:
+            capacity[k + 1] = model._recoverssm.loop.rows.capacity
         stats = acceptance_stats(model)
         runs[f"loop{suffix}"], runs[f"loop+lookup{suffix}"] = plain, lookup
         loop = model._recoverssm.loop
@@ -76,11 +81,16 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
         with phases("loop forwards"):
             bandwidth = copy_bandwidth(device)
             floor_ms, nbytes = weight_read_floor_ms(model, bandwidth)
-            decode = loop_forward_gpu_ms(model, 1, compile=compiled)
+            # at batch 1, over the columns of the batch-1 loops above (a width no loop ran, W = 4
+            # where k is not 3, over the lookup loop's): the forwards those loops replayed, and
+            # their compiled graphs, not one more compile per width
             widths = sorted({4, k + 1})  # W = 4 and k + 1: the verify widths of k = 3 and of this run
-            by_width = {W: loop_forward_gpu_ms(model, W, compile=compiled) for W in widths}
+            columns = {W: capacity.get(W, capacity.get(k + 1)) for W in [1, *widths]}
+            decode = loop_forward_gpu_ms(model, 1, compile=compiled, capacity=columns[1])
+            by_width = {W: loop_forward_gpu_ms(model, W, compile=compiled, capacity=columns[W]) for W in widths}
             verify = by_width[k + 1]
         section.update(copy_bandwidth_GBps=bandwidth / 1e9, param_bytes=nbytes, weight_read_floor_ms=floor_ms,
+                       forward_columns={str(W): c for W, c in columns.items()},
                        gpu_ms_per_decode_forward=decode["ms"], gpu_ms_per_verify_forward=verify["ms"],
                        kernels_per_decode_forward=decode["kernels"], kernels_per_verify_forward=verify["kernels"],
                        gemm_ms_per_decode_forward=decode["gemm_ms"], gemm_kernels_per_decode_forward=decode["gemm_kernels"],

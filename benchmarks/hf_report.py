@@ -36,7 +36,8 @@ def print_table(res: dict) -> None:
     for name in RUNS:
         if name not in res["runs"]:
             why = res.get("skipped", {}).get(name) or (
-                "--no-graphs" if "graphs" in name else "--no-loop or --batch without 1" if "loop" in name
+                "--loop-only" if c.get("loop_only") and name in ("ours", "ours+lookup", "graphs", "graphs+lookup")
+                else "--no-graphs" if "graphs" in name else "--no-loop or --batch without 1" if "loop" in name
                 else "--no-hf-torch")
             print(f"{name:<13} | skipped ({why})")
             continue
@@ -49,9 +50,10 @@ def print_table(res: dict) -> None:
         vs = " ".join(f"{tps[name] / tps[b]:10.2f}x" if b in tps else f"{'-':>11}" for b in BASELINES)
         print(f"{name:<13} | {r['tokens_per_s']:8.1f} {r['time_s']:8.3f} | {vs} | {same:>11}")
     acc = res["acceptance"]
-    print(f"lookup: {acc['rounds']} rounds, mean accepted length {acc['mean_accepted_length']:.2f}, "
-          f"acceptance rate {acc['acceptance_rate']:.2f}, per position "
-          + " ".join(f"{x:.2f}" for x in acc["position_rates"]))
+    if acc:
+        print(f"lookup: {acc['rounds']} rounds, mean accepted length {acc['mean_accepted_length']:.2f}, "
+              f"acceptance rate {acc['acceptance_rate']:.2f}, per position "
+              + " ".join(f"{x:.2f}" for x in acc["position_rates"]))
     g = res.get("graphs")
     if g:
         ga = g["acceptance"]
@@ -69,10 +71,11 @@ def print_table(res: dict) -> None:
         print(f"  smallest top1-top2 logit gap along hf: {res['plain_min_logit_gap']:.4g}")
     print_loop(res)
     fw = res["forwards"]
-    print(f"single forwards, warm cache (median ms): W=1 decode, W={k + 1} verify")
-    o1, oW = fw["ours"]["1"], fw["ours"][str(k + 1)]
-    print(f"  ours: fwd {o1['forward_ms']:.3f} / {oW['forward_ms']:.3f}  (x{fw['ours_verify_over_decode']:.2f}); "
-          f"crop {o1['crop_ms']:.3f} / {oW['crop_ms']:.3f}; fwd+crop x{fw['ours_verify_over_decode_with_crop']:.2f}")
+    print(f"single forwards, warm cache (median ms): W=1 decode" + (f", W={k + 1} verify" if fw["ours"] else ""))
+    if fw["ours"]:
+        o1, oW = fw["ours"]["1"], fw["ours"][str(k + 1)]
+        print(f"  ours: fwd {o1['forward_ms']:.3f} / {oW['forward_ms']:.3f}  (x{fw['ours_verify_over_decode']:.2f}); "
+              f"crop {o1['crop_ms']:.3f} / {oW['crop_ms']:.3f}; fwd+crop x{fw['ours_verify_over_decode_with_crop']:.2f}")
     if "error" in fw["hf"]:
         print(f"  hf:   {fw['hf']['error']}")
     else:
@@ -85,8 +88,9 @@ def print_table(res: dict) -> None:
     if res["speedup_lookup_over_hf_torch"] is not None:
         torch_part = (f"; over hf-torch: ours+lookup {res['speedup_lookup_over_hf_torch']:.2f}x, "
                       f"ours {res['speedup_ours_over_hf_torch']:.2f}x, hf {res['speedup_hf_over_hf_torch']:.2f}x")
-    print(f"speedup over hf: ours+lookup {res['speedup_lookup_over_hf']:.2f}x, ours {res['speedup_ours_over_hf']:.2f}x"
-          f"{torch_part}; ours+lookup over ours {res['speedup_lookup_over_ours']:.2f}x")
+    if res["speedup_ours_over_hf"] is not None:
+        print(f"speedup over hf: ours+lookup {res['speedup_lookup_over_hf']:.2f}x, ours {res['speedup_ours_over_hf']:.2f}x"
+              f"{torch_part}; ours+lookup over ours {res['speedup_lookup_over_ours']:.2f}x")
     if res.get("speedup_graphs_lookup_over_hf") is not None:
         print(f"speedup over hf: graphs+lookup {res['speedup_graphs_lookup_over_hf']:.2f}x, graphs "
               f"{res['speedup_graphs_over_hf']:.2f}x; graphs+lookup over graphs "
@@ -157,8 +161,8 @@ def save_plot(res: dict, path: Path) -> bool:
     fw = res["forwards"]
     widths = ["1", str(k + 1)]
     x = range(len(widths))
-    series = [("ours fwd", [fw["ours"][w]["forward_ms"] for w in widths]),
-              ("ours crop", [fw["ours"][w]["crop_ms"] for w in widths])]
+    series = [] if not fw["ours"] else [("ours fwd", [fw["ours"][w]["forward_ms"] for w in widths]),
+                                        ("ours crop", [fw["ours"][w]["crop_ms"] for w in widths])]
     if "error" not in fw["hf"]:
         series.append(("hf fwd", [fw["hf"][w]["forward_ms"] if w in fw["hf"] else 0.0 for w in widths]))
     n = len(series)
@@ -169,8 +173,12 @@ def save_plot(res: dict, path: Path) -> bool:
     ax_f.legend(fontsize=8)
     for ax in (ax_g, ax_f):
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"{res['environment']['device']}: {c['kind']} {c['params'] / 1e6:.0f}M, {c['dtype']}; "
-                 f"mean accepted length {res['acceptance']['mean_accepted_length']:.2f}")
+    acc = res["acceptance"] or {}
+    if not acc and res.get("loop") and "1" in res["loop"]["by_batch"]:
+        acc = res["loop"]["by_batch"]["1"]  # the decode loop's prompt lookup, where transformers' loop did not run
+    mal = acc.get("mean_accepted_length")
+    fig.suptitle(f"{res['environment']['device']}: {c['kind']} {c['params'] / 1e6:.0f}M, {c['dtype']}"
+                 + (f"; mean accepted length {mal:.2f}" if mal is not None else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -260,21 +260,24 @@ def run(args, progress=None) -> dict:
     with phases("convert"):
         apply_recoverssm(model, state_dtype=state_dtype, decode_loop=False)
     key = cache_kwarg(model)
-    runs["ours"] = timed_generate(model, prompt, clock, phases, "ours", **common)
-    print(f"ours:        {runs['ours']['tokens_per_s']:8.1f} tok/s", flush=True)
-    measured()
+    loop_only = getattr(args, "loop_only", False)  # (3)-(6) and their single forwards skipped
+    acceptance = graphs = ours_forwards = None
+    if not loop_only:
+        runs["ours"] = timed_generate(model, prompt, clock, phases, "ours", **common)
+        print(f"ours:        {runs['ours']['tokens_per_s']:8.1f} tok/s", flush=True)
+        measured()
 
-    def lookup_cache():
-        cache = RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype)
-        return {"prompt_lookup_num_tokens": k, key: cache}
+        def lookup_cache():
+            cache = RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype)
+            return {"prompt_lookup_num_tokens": k, key: cache}
 
-    runs["ours+lookup"] = timed_generate(model, prompt, clock, phases, "lookup", make_extra=lookup_cache, **common)
-    print(f"ours+lookup: {runs['ours+lookup']['tokens_per_s']:8.1f} tok/s", flush=True)
-    measured()
-    acceptance = acceptance_summary(runs["ours+lookup"]["extra"][key].stats)
+        runs["ours+lookup"] = timed_generate(model, prompt, clock, phases, "lookup", make_extra=lookup_cache,
+                                             **common)
+        print(f"ours+lookup: {runs['ours+lookup']['tokens_per_s']:8.1f} tok/s", flush=True)
+        measured()
+        acceptance = acceptance_summary(runs["ours+lookup"]["extra"][key].stats)
 
-    graphs = None
-    if args.graphs:
+    if args.graphs and not loop_only:
         apply_recoverssm(model, cuda_graphs=True)
         runs["graphs"] = timed_generate(model, prompt, clock, phases, "graphs", **common)
         print(f"graphs:      {runs['graphs']['tokens_per_s']:8.1f} tok/s", flush=True)
@@ -295,19 +298,22 @@ def run(args, progress=None) -> dict:
         loop = loop_runs(model, tok, SENTENCE, args, timed_generate, common, phases, clock, runs,
                          progress=lambda section: (measured(), progress(loop=section)))
 
-    with phases("ours forwards"):
-        ours_forwards = time_forwards(
-            model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
-            make_cache=lambda: RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype))
+    if not loop_only:
+        with phases("ours forwards"):
+            ours_forwards = time_forwards(
+                model, prompt, clock, [1, k + 1], args.forward_reps, args.forward_warmup, rollback=True, key=key,
+                make_cache=lambda: RecoverSSMCache(model, max_pending=k + 1, state_dtype=state_dtype))
 
     # Agreement of the token sequences.
     pairs = [("hf", "hf-torch")] if "hf-torch" in runs else []
     pairs += [("hf", name) for name in ("hf_lookup", "hf_static") if name in runs]
-    pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
+    if not loop_only:
+        pairs += [("hf", "ours"), ("hf", "ours+lookup"), ("ours", "ours+lookup")]
     if graphs is not None:
         pairs += [("hf", "graphs"), ("hf", "graphs+lookup"), ("ours", "graphs"), ("ours+lookup", "graphs+lookup")]
     if "loop" in runs:
-        pairs += [("hf", "loop"), ("hf", "loop+lookup"), ("ours", "loop"), ("loop", "loop+lookup")]
+        pairs += [("hf", "loop"), ("hf", "loop+lookup"), ("loop", "loop+lookup")]
+        pairs += [] if loop_only else [("ours", "loop")]
     with phases("agreement"):
         agreement = token_agreement(runs, pairs, plain_logits, prompt, model)
     top2 = torch.topk(plain_logits[P - 1:P - 1 + N], 2).values
@@ -316,7 +322,6 @@ def run(args, progress=None) -> dict:
     for r in runs.values():
         r.pop("extra", None)
     tps = {name: r["tokens_per_s"] for name, r in runs.items()}
-    fw1, fwW = ours_forwards["1"], ours_forwards[str(k + 1)]
     res = {
         "environment": environment(device),
         "config": {"kind": args.kind, **cfg, **init, "dtype": args.dtype, "state_dtype": args.state_dtype,
@@ -324,7 +329,7 @@ def run(args, progress=None) -> dict:
                    "new_tokens": N, "num_draft_tokens": k, "repeats": args.repeats,
                    "warmup_tokens": args.warmup_tokens, "forward_reps": args.forward_reps, "quick": args.quick,
                    "batch": 1, "loop_batches": list(args.batch) if args.loop else [], "greedy": True,
-                   "hf_torch": args.hf_torch, "graphs": args.graphs},
+                   "hf_torch": args.hf_torch, "graphs": args.graphs, "loop_only": loop_only},
         "hf_kernels": kernels,
         "hf_torch_kernels": hf_torch["kernels"],
         "hf_torch_patched": hf_torch["patched"],
@@ -332,9 +337,9 @@ def run(args, progress=None) -> dict:
         "runs": runs,
         "skipped": skipped,
         "tokens_per_s": tps,
-        "speedup_lookup_over_hf": tps["ours+lookup"] / tps["hf"],
-        "speedup_ours_over_hf": tps["ours"] / tps["hf"],
-        "speedup_lookup_over_ours": tps["ours+lookup"] / tps["ours"],
+        "speedup_lookup_over_hf": ratio(tps, "ours+lookup", "hf"),
+        "speedup_ours_over_hf": ratio(tps, "ours", "hf"),
+        "speedup_lookup_over_ours": ratio(tps, "ours+lookup", "ours"),
         "speedup_lookup_over_hf_torch": ratio(tps, "ours+lookup", "hf-torch"),
         "speedup_ours_over_hf_torch": ratio(tps, "ours", "hf-torch"),
         "speedup_hf_over_hf_torch": ratio(tps, "hf", "hf-torch"),
@@ -354,12 +359,14 @@ def run(args, progress=None) -> dict:
         "agreement": agreement,
         "plain_min_logit_gap": min(gen_gaps) + 0.0 if gen_gaps else None,
         "plain_logit_gaps": gen_gaps,
-        "forwards": {"ours": ours_forwards, "hf": hf_forwards,
-                     "ours_verify_over_decode": fwW["forward_ms"] / fw1["forward_ms"],
-                     "ours_verify_over_decode_with_crop": fwW["forward_plus_crop_ms"] / fw1["forward_plus_crop_ms"]},
+        "forwards": {"ours": ours_forwards, "hf": hf_forwards},
         "phases_s": phases.seconds,
         "total_s": time.perf_counter() - t_start,
     }
+    if ours_forwards is not None:
+        fw1, fwW = ours_forwards["1"], ours_forwards[str(k + 1)]
+        res["forwards"].update(ours_verify_over_decode=fwW["forward_ms"] / fw1["forward_ms"],
+                               ours_verify_over_decode_with_crop=fwW["forward_plus_crop_ms"] / fw1["forward_plus_crop_ms"])
     if str(k + 1) in hf_forwards:
         res["forwards"]["hf_verify_over_decode"] = (hf_forwards[str(k + 1)]["forward_ms"]
                                                     / hf_forwards["1"]["forward_ms"])

@@ -211,6 +211,24 @@ def test_bench_hf_generate_cut_short_keeps_the_rows_it_measured(tmp_path, monkey
     assert partial["loop"]["by_batch"]["1"]["loop_tokens_per_s"] == partial["tokens_per_s"]["loop"]
 
 
+def test_bench_hf_generate_loop_only_runs_the_baselines_and_the_loop_alone(tmp_path, monkeypatch, capsys):
+    """``--loop-only`` on random weights: transformers' baselines and the decode loop's runs, each
+    compared with ``hf`` token for token; transformers' loop on the converted model and its single
+    forwards are not run, and the table says why."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_hf_generate as bench
+
+    res = bench.main(["--device", "cpu", "--quick", "--loop-only", "--skip", "hf_static", "--out-dir", str(tmp_path),
+                      *CHEAPER["bench_hf_generate.py"]])
+    assert set(res["tokens_per_s"]) == {"hf", "hf_lookup", "loop", "loop+lookup"}
+    assert res["config"]["loop_only"] and res["forwards"]["ours"] is None and res["acceptance"] is None
+    assert res["speedup_ours_over_hf"] is None
+    assert set(res["agreement"]) == {"hf vs hf_lookup", "hf vs loop", "hf vs loop+lookup", "loop vs loop+lookup"}
+    out = capsys.readouterr().out
+    assert "ours          | skipped (--loop-only)" in out and "graphs+lookup | skipped (--loop-only)" in out
+    assert json.loads((tmp_path / f"{bench.result_name('qwen3_next', 'bfloat16')}.json").read_text())["config"]["loop_only"]
+
+
 def _refused(script, argv, capsys, monkeypatch) -> str:
     """``python benchmarks/SCRIPT ARGV`` run in this process (its ``main``, from the repository
     root, as the subprocess the smoke runs above start: a usage error exits before anything is
@@ -311,7 +329,8 @@ def _qwen3_5_config(root: Path) -> Path:
     ("no manifest", ["no training manifest", "demo.json"]),
     ("draft without model", ["--draft needs --model"]),
     ("no prompt files", ["--prompt-files"]),
-    ("mtp-k without model", ["--mtp-k and --loop-only need --model"]),
+    ("mtp-k without model", ["--mtp-k needs --model"]),
+    ("loop-only without loop", ["--loop-only and --no-loop"]),
     ("mtp-k 0", ["--mtp-k", ">= 1"]),
     ("no mtp head", ["--mtp-k", "cannot draft with an MTP head", "mtp_num_hidden_layers"]),
 ])
@@ -325,6 +344,7 @@ def test_bench_hf_generate_model_is_checked_before_anything_loads(tmp_path, caps
             "draft without model": lambda: ["--draft", str(tmp_path)],
             "no prompt files": lambda: ["--model", str(_saved_pair(tmp_path) / "target"), "--prompt-files", "0"],
             "mtp-k without model": lambda: ["--mtp-k", "3"],
+            "loop-only without loop": lambda: ["--loop-only", "--no-loop"],
             "mtp-k 0": lambda: ["--model", str(_saved_pair(tmp_path) / "target"), "--mtp-k", "0"],
             "no mtp head": lambda: ["--model", str(_qwen3_5_config(_saved_pair(tmp_path)) / "target"), "--mtp-k", "2"],
             }[case]()
