@@ -193,7 +193,8 @@ def kept_cache(model):
 
 def acceptance_stats(model):
     """The :class:`~ssm_spec.hf.AcceptanceStats` of the cache the last ``generate`` call of a
-    converted model used (the one it created, or the one passed in); ``None`` before any call.
+    converted model used (the one it created, or the one passed in); ``None`` before any call
+    and after a call that drafted nothing (plain decoding in ssm-spec's decode loop).
 
     Raises:
         ValueError: ``model`` is not converted.

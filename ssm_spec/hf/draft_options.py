@@ -96,9 +96,10 @@ def check_fallback(reason: str, prompt, named: dict, generation_config, setting)
     assisted = (setting("num_beams", 1) == 1 and reason != "custom_generate="
                 and draft_length(generation_config, named) > 0)
     if rows > 1 and assisted:
+        padding = "padding" in reason or "attention mask" in reason  # what the loop refuses of a mask
         raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
-                         f"loop, which would run it, drafts for one row only ({rows} rows here): left-pad the "
-                         "rows, drop the option, or call once per row")
+                         f"loop, which would run it, drafts for one row only ({rows} rows here): "
+                         + ("left-pad the rows, " if padding else "drop the option, ") + "or call once per row")
 
 
 def draft_length(generation_config, kwargs) -> int:

@@ -89,6 +89,43 @@ def test_a_row_ending_early_at_eos_is_padded_while_the_others_go_on(device, kind
         _check_rows(out, ids.shape[1], own, TOK.pad_token_id)
 
 
+class _Recorder:
+    """A streamer (transformers' ``BaseStreamer`` protocol) that keeps what it is handed."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended = True
+
+
+def test_a_streamer_gets_every_rows_steps_as_transformers_loop_streams_them(device):
+    """A streamer at batch 3 with one row ending early at EOS: the prompt, then one ``[3]`` tensor a
+    step (the ended row's pad id after its end), what transformers' own loop streams for the same
+    call on the unconverted model; at batch 1 the new tokens, together the output's."""
+    ref = tiny_model("qwen3_next", seed=2).to(device)
+    model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device))
+    eos = int(_own(ref, TEXTS[:3], 12, device)[1][4])
+    ids, mask = _batch(TEXTS[:3], device)
+    theirs = _Recorder()
+    ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, streamer=theirs,
+                 pad_token_id=TOK.pad_token_id)
+    assert len(theirs.puts) > 2 and all(p.shape == (3,) for p in theirs.puts[1:])
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+        ours = _Recorder()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                             streamer=ours, pad_token_id=TOK.pad_token_id, **kw)
+        assert ours.ended and torch.equal(ours.puts[0], ids.cpu()), kw
+        assert [p.tolist() for p in ours.puts[1:]] == [p.tolist() for p in theirs.puts[1:]], kw
+        assert torch.equal(torch.stack(ours.puts[1:], 1), out[:, ids.shape[1]:].cpu()), kw
+        one = _Recorder()
+        alone = model.generate(ids[:1], max_new_tokens=12, do_sample=False, streamer=one, **kw)
+        assert torch.equal(torch.cat(one.puts[1:]), alone[0, ids.shape[1]:].cpu()), kw
+
+
 def test_min_new_tokens_holds_eos_back_inside_the_window(device):
     """``min_new_tokens`` masks the EOS at the window positions that are still short, as
     transformers' processor does token by token."""

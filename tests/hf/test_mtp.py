@@ -468,6 +468,8 @@ def _same_state(model, before):
     ("nocount", r"sets neither mtp_num_hidden_layers .* nor num_nextn_predict_layers"),
     ("expert", r"missing mtp\.layers\.0\.mlp\.experts\.3\.down_proj\.weight"),
     ("shard", r"mtp-1\.safetensors .*is missing"),
+    ("truncated", r"mtp-0\.safetensors cannot be read as safetensors weights \(SafetensorError"),
+    ("fraction", r"num_nextn_predict_layers=1\.5: expected a whole number"),
 ])
 def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_path):
     """Each fault, through ``apply_recoverssm(model, mtp=PATH)`` on an unconverted model (which
@@ -479,11 +481,14 @@ def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_pa
     good = tmp_path / "good"
     bad = tmp_path / "bad"
     write_checkpoint(good, kind, seed=6)
-    added = write_checkpoint(bad, kind, seed=6, sharded=damage == "shard", layers=2 if damage == "unexpected" else 1,
+    added = write_checkpoint(bad, kind, seed=6, sharded=damage in ("shard", "truncated"),
+                             layers=2 if damage == "unexpected" else 1,
                              tensors=damage != "none", count={"count0": 0, "unexpected": 1}.get(damage))
-    if damage == "nocount":
+    if damage in ("nocount", "fraction"):
         config = json.loads((bad / "config.json").read_text())
-        del config["num_nextn_predict_layers"]
+        config["num_nextn_predict_layers"] = 1.5
+        if damage == "nocount":
+            del config["num_nextn_predict_layers"]
         (bad / "config.json").write_text(json.dumps(config))
     fresh, holding, loaded = (_load(bad, kind) for _ in range(3))  # before the weight files are damaged
     weights = load_file(str(bad / "model.safetensors")) if damage in ("missing", "shape", "expert") else None
@@ -497,6 +502,9 @@ def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_pa
         save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
     if damage == "shard":
         (bad / "mtp-1.safetensors").unlink()
+    if damage == "truncated":  # a download cut short after the model loaded
+        data = (bad / "mtp-0.safetensors").read_bytes()
+        (bad / "mtp-0.safetensors").write_bytes(data[:len(data) // 2])
     assert added or damage == "none"
 
     before = _state(fresh)
@@ -515,6 +523,23 @@ def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_pa
     with pytest.raises(ValueError, match="use_mtp=True: .*" + match):
         loaded.generate(torch.tensor([TOK.encode("abc")]), max_new_tokens=4, use_mtp=True, num_assistant_tokens=2)
     assert loaded._recoverssm.mtp is None and loaded._recoverssm.loop is None
+
+
+def test_a_head_read_from_another_checkpoint_takes_its_layer_count_from_there(checkpoint):
+    """``apply_recoverssm(model, mtp=PATH)`` on a model whose config declares no MTP layer count:
+    the count of the ``config.json`` beside PATH's weights, and the head drafts exactly."""
+    path, _ = checkpoint("qwen3_next")
+    built = tiny_model("qwen3_next", seed=3)
+    assert getattr(built.config, "num_nextn_predict_layers", None) is None
+    ref = tiny_model("qwen3_next", seed=3)
+    model = apply_recoverssm(built, mtp=path)
+    assert model._recoverssm.mtp.num_layers == 1
+    texts = ["the cat sat on the mat. the cat", "a b c a b"]
+    ids, mask = _batch(texts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, use_mtp=True,
+                         num_assistant_tokens=3)
+    _check_rows(out, ids.shape[1], _own(ref, texts, 13, "cpu"), TOK.pad_token_id)
+    assert acceptance_stats(model).rounds > 0
 
 
 def test_calls_that_cannot_draft_with_the_head_are_refused(checkpoint, tmp_path):

@@ -254,9 +254,8 @@ class DecodeLoop:
             # one read a batch of rounds: the rows' counts and flags in one copy to the host
             produced, finished = torch.stack((rows.produced[:b], rows.finished[:b].to(torch.int64))).tolist()
             done = all(finished)
-            if streamer is not None and b == 1 and produced[0] > sent:
-                streamer.put(rows.tokens[0, width + sent:width + produced[0]].cpu())
-                sent = produced[0]
+            if streamer is not None:
+                sent = self._stream(streamer, produced, finished, sent, width)
             if done:
                 break
             left = min(max_new - p for p, f in zip(produced, finished) if not f)
@@ -270,6 +269,20 @@ class DecodeLoop:
                     self.eager_rounds += self.per_graph
         sequences = rows.tokens[:b, width - P:width + max(produced)].clone()
         return sequences, self._stats()
+
+    def _stream(self, streamer, produced: list[int], finished: list[bool], sent: int, width: int) -> int:
+        """Hand ``streamer`` the steps every row has made since step ``sent`` (a finished row's
+        steps past its end are its pad id), as transformers' own loop streams them: at batch 1 the
+        row's new tokens ``[n]``, at batch ``b`` one ``[b]`` tensor a step. Returns the steps
+        handed over so far."""
+        b = len(produced)
+        running = [p for p, f in zip(produced, finished) if not f]
+        ready = min(running) if running else max(produced)
+        if ready > sent:
+            block = self.rows.tokens[:b, width + sent:width + ready].cpu()
+            for step in [block[0]] if b == 1 else block.unbind(1):
+                streamer.put(step)
+        return max(sent, ready)
 
     def _stats(self) -> AcceptanceStats | None:
         if self.drafter is None:

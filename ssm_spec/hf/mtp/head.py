@@ -43,7 +43,8 @@ import inspect
 import torch
 from torch import nn
 
-__all__ = ["MTPHead", "text_decoder", "attention_config", "mtp_layer_count", "config_layer_count", "LAYER_COUNT_NAMES"]
+__all__ = ["MTPHead", "text_decoder", "attention_config", "mtp_layer_count", "config_layer_count", "declared_layer_count",
+           "LAYER_COUNT_NAMES"]
 
 #: The config attributes that give the MTP layer count: Qwen3.5's, then Qwen3-Next's.
 LAYER_COUNT_NAMES = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
@@ -95,21 +96,42 @@ def config_layer_count(config) -> int:
     ``AutoConfig`` before any weight loads).
 
     Raises:
-        ValueError: neither attribute is set, or the count is below 1.
+        ValueError: neither attribute is set, the count is not a whole number, or below 1.
     """
-    configs = [config.get_text_config(), config]
+    count = declared_layer_count(config)
+    if count is None:
+        raise ValueError(f"MTP head: the model's config ({type(config).__name__}) sets neither "
+                         f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next): the MTP layer "
+                         "count is missing (a checkpoint with an MTP head declares it in config.json)")
+    return count
+
+
+def declared_layer_count(config, where: str = "the model's config") -> int | None:
+    """The MTP layer count ``config`` declares (:data:`LAYER_COUNT_NAMES`, in its text config,
+    then at its top level), or ``None`` where it sets neither. ``config``: a transformers config,
+    or the ``dict`` of a ``config.json`` (``where`` names it in errors).
+
+    Raises:
+        ValueError: the count is not a whole number, or below 1.
+    """
+    if isinstance(config, dict):
+        configs = [config.get("text_config") or {}, config]
+        get = dict.get
+    else:
+        configs = [config.get_text_config(), config]
+        get = lambda cfg, name: getattr(cfg, name, None)  # noqa: E731
     for cfg in configs:
         for name in LAYER_COUNT_NAMES:
-            value = getattr(cfg, name, None)
+            value = get(cfg, name)
             if value is None:
                 continue
-            if int(value) < 1:
-                raise ValueError(f"MTP head: the model's config has {name}={value}: the checkpoint declares no MTP "
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"MTP head: {where} has {name}={value!r}: expected a whole number of MTP layers")
+            if value < 1:
+                raise ValueError(f"MTP head: {where} has {name}={value}: the checkpoint declares no MTP "
                                  "layer, so there is no head to draft with")
-            return int(value)
-    raise ValueError(f"MTP head: the model's config ({type(config).__name__}) sets neither "
-                     f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next): the MTP layer count "
-                     "is missing (a checkpoint with an MTP head declares it in config.json)")
+            return value
+    return None
 
 
 class MTPHead(nn.Module):

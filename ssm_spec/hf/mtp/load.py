@@ -14,6 +14,7 @@ form as transformers' own conversion does (``MergeModulelist(dim=0)`` then ``Con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head import MTPHead, mtp_layer_count
+from .head import LAYER_COUNT_NAMES, MTPHead, declared_layer_count, mtp_layer_count
 
 __all__ = ["load_mtp_head", "checkpoint_path", "mtp_tensor_files", "PREFIX", "INDEX_FILE", "SINGLE_FILE"]
 
@@ -53,6 +54,23 @@ def checkpoint_path(model: nn.Module) -> str:
     return str(path)
 
 
+@contextlib.contextmanager
+def _opened(file: Path):
+    """``safe_open`` of ``file`` on the CPU; what safetensors raises for a damaged or unreadable
+    file (its own ``SafetensorError``, an ``OSError``), opening it or reading a tensor, becomes a
+    ``ValueError`` naming the file."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors' error type is not public API
+        raise ValueError(f"MTP head: {file} cannot be read as safetensors weights "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
 def _hub_snapshot(name: str) -> Path | None:
     """The local Hugging Face cache snapshot of Hub id ``name`` (nothing is downloaded), or ``None``."""
     if name.count("/") != 1 or name.startswith((".", "/")):
@@ -74,10 +92,8 @@ def mtp_tensor_files(path) -> tuple[str, dict[str, Path]]:
 
     Raises:
         ValueError: no such file or directory (nor cached Hub id); a directory without
-            safetensors weights; an index without a ``weight_map``.
+            safetensors weights; an index without a ``weight_map``; a file safetensors cannot read.
     """
-    from safetensors import safe_open
-
     p = Path(os.fspath(path)).expanduser()
     if not p.exists():
         snapshot = _hub_snapshot(os.fspath(path))
@@ -100,13 +116,22 @@ def mtp_tensor_files(path) -> tuple[str, dict[str, Path]]:
             raise ValueError(f"MTP head: {p} is not a safetensors index (no weight_map): {exc}") from None
         files = {name: p.parent / file for name, file in weight_map.items() if name.startswith(PREFIX)}
         return str(p), files
-    with safe_open(str(p), framework="pt", device="cpu") as f:
+    with _opened(p) as f:
         return str(p), {name: p for name in f.keys() if name.startswith(PREFIX)}
 
 
-def _read(files: dict[str, Path]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+def _count_beside(where: str) -> int | None:
+    """The MTP layer count the ``config.json`` beside the weights read (``where``, a file)
+    declares, or ``None`` (no such file, or it declares none)."""
+    config = Path(where).parent / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    return declared_layer_count(data, str(config)) if isinstance(data, dict) else None
 
+
+def _read(files: dict[str, Path]) -> dict[str, torch.Tensor]:
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
@@ -114,7 +139,7 @@ def _read(files: dict[str, Path]) -> dict[str, torch.Tensor]:
     for file, names in by_file.items():
         if not file.is_file():
             raise ValueError(f"MTP head: the index names {file} for {_names(names)}, and it is missing")
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _opened(file) as f:
             present = set(f.keys())
             absent = [n for n in names if n not in present]
             if absent:
@@ -168,22 +193,30 @@ def load_mtp_head(model: nn.Module, path=None) -> MTPHead:
             :func:`~ssm_spec.hf.apply_recoverssm`, the vision-language ones through their text
             model).
         path: where the ``mtp.*`` tensors are (:func:`mtp_tensor_files`); default the
-            checkpoint the model was loaded from (:func:`checkpoint_path`).
+            checkpoint the model was loaded from (:func:`checkpoint_path`). Where the model's
+            config declares no MTP layer count, the ``config.json`` beside ``path``'s weights does.
 
     Returns:
         an :class:`~ssm_spec.hf.mtp.MTPHead` with ``mtp_layer_count(model)`` layers. Nothing is
         changed on ``model``.
 
     Raises:
-        ValueError: the MTP layer count missing or below 1 (``mtp_num_hidden_layers`` /
-            ``num_nextn_predict_layers``); no checkpoint path, or nothing readable there; no
+        ValueError: the MTP layer count missing, not a whole number or below 1
+            (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``); no checkpoint path, or
+            nothing readable there (a damaged file named); no
             ``mtp.*`` tensors, or some missing (named, with the file looked at); unexpected
             ``mtp.*`` names; shapes that do not fit the model. Raised before anything is kept:
             a failed load leaves no head half-built.
     """
-    count = mtp_layer_count(model)
+    count = declared_layer_count(model.config) if path is not None else mtp_layer_count(model)
     source = checkpoint_path(model) if path is None else path
     where, files = mtp_tensor_files(source)
+    if count is None:  # the model's config has none: the checkpoint's own config.json, beside its weights
+        count = _count_beside(where)
+        if count is None:
+            raise ValueError(f"MTP head: the model's config ({type(model.config).__name__}) sets neither "
+                             f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next), nor does "
+                             f"{Path(where).parent / 'config.json'} beside the weights: the MTP layer count is missing")
     head = MTPHead.for_model(model, count)  # on meta: names and shapes only
     expected = {name: t.shape for name, t in head.state_dict().items()}
     if not files:
