@@ -99,7 +99,7 @@ def check_fallback(reason: str, prompt, named: dict, generation_config, setting)
         padding = "padding" in reason or "attention mask" in reason  # what the loop refuses of a mask
         raise ValueError(f"generate: {reason}: ssm-spec's decode loop does not implement it, and transformers' "
                          f"loop, which would run it, drafts for one row only ({rows} rows here): "
-                         + ("left-pad the rows, " if padding else "drop the option, ") + "or call once per row")
+                         + ("left-pad the rows" if padding else "leave that out") + ", or call once per row")
 
 
 def draft_length(generation_config, kwargs) -> int:

@@ -491,20 +491,25 @@ def test_draft_mtp_drafts_with_the_checkpoints_head_and_equals_plain_greedy(tmp_
 
 @pytest.mark.parametrize("case, words", [
     ("tiny-random", ["--draft mtp: the tiny random model has no MTP head"]),
-    ("no count", ["has no MTP head", "mtp_num_hidden_layers"]),
+    ("no count", ["cannot draft with an MTP head", "mtp_num_hidden_layers"]),
     ("no tensors", ["has no MTP head", "no mtp.* tensors in"]),
+    ("damaged", ["cannot draft with an MTP head", "model.safetensors cannot be read as safetensors weights"]),
 ])
 def test_draft_mtp_on_a_model_without_a_head_is_one_line_before_any_model_loads(capsys, no_model_loads, tmp_path,
                                                                                case, words):
-    """No MTP head is said from the config and the weights' names, before any model loads."""
+    """No MTP head (or weights that cannot be read) is said from the config and the weights' names,
+    before any model loads."""
     from ssm_spec.hf import tiny_model
 
     argv = ["--model", "tiny-random"]
     if case != "tiny-random":
         model = tiny_model("qwen3_5", seed=3)
-        if case == "no tensors":
+        if case in ("no tensors", "damaged"):
             model.config.mtp_num_hidden_layers = 1
         model.save_pretrained(tmp_path)
+        if case == "damaged":  # a download cut short
+            data = (tmp_path / "model.safetensors").read_bytes()
+            (tmp_path / "model.safetensors").write_bytes(data[:len(data) // 2])
         argv = ["--model", str(tmp_path)]
     assert cli.main(["generate", *argv, "--draft", "mtp", "--device", "cpu"]) == 2
     captured = capsys.readouterr()

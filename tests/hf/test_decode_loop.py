@@ -90,13 +90,16 @@ def test_a_row_ending_early_at_eos_is_padded_while_the_others_go_on(device, kind
 
 
 class _Recorder:
-    """A streamer (transformers' ``BaseStreamer`` protocol) that keeps what it is handed."""
+    """A streamer (transformers' ``BaseStreamer`` protocol) that keeps what it is handed, and with
+    ``model`` whether each put came while that model's decode loop still had rows running."""
 
-    def __init__(self):
-        self.puts, self.ended = [], False
+    def __init__(self, model=None):
+        self.puts, self.ended, self.model, self.running = [], False, model, []
 
     def put(self, value):
         self.puts.append(value.clone())
+        loop = getattr(getattr(self.model, "_recoverssm", None), "loop", None)
+        self.running.append(loop is not None and not bool(loop.rows.finished.all()))
 
     def end(self):
         self.ended = True
@@ -105,7 +108,8 @@ class _Recorder:
 def test_a_streamer_gets_every_rows_steps_as_transformers_loop_streams_them(device):
     """A streamer at batch 3 with one row ending early at EOS: the prompt, then one ``[3]`` tensor a
     step (the ended row's pad id after its end), what transformers' own loop streams for the same
-    call on the unconverted model; at batch 1 the new tokens, together the output's."""
+    call on the unconverted model, the first steps before the rows end; at batch 1 the new tokens,
+    together the output's."""
     ref = tiny_model("qwen3_next", seed=2).to(device)
     model = apply_recoverssm(tiny_model("qwen3_next", seed=2).to(device))
     eos = int(_own(ref, TEXTS[:3], 12, device)[1][4])
@@ -115,10 +119,11 @@ def test_a_streamer_gets_every_rows_steps_as_transformers_loop_streams_them(devi
                  pad_token_id=TOK.pad_token_id)
     assert len(theirs.puts) > 2 and all(p.shape == (3,) for p in theirs.puts[1:])
     for kw in ({}, {"prompt_lookup_num_tokens": 3}):
-        ours = _Recorder()
+        ours = _Recorder(model)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
                              streamer=ours, pad_token_id=TOK.pad_token_id, **kw)
         assert ours.ended and torch.equal(ours.puts[0], ids.cpu()), kw
+        assert any(ours.running[1:]), kw  # steps handed over while rows still ran, not all at the end
         assert [p.tolist() for p in ours.puts[1:]] == [p.tolist() for p in theirs.puts[1:]], kw
         assert torch.equal(torch.stack(ours.puts[1:], 1), out[:, ids.shape[1]:].cpu()), kw
         one = _Recorder()

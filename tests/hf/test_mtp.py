@@ -469,7 +469,7 @@ def _same_state(model, before):
     ("expert", r"missing mtp\.layers\.0\.mlp\.experts\.3\.down_proj\.weight"),
     ("shard", r"mtp-1\.safetensors .*is missing"),
     ("truncated", r"mtp-0\.safetensors cannot be read as safetensors weights \(SafetensorError"),
-    ("fraction", r"num_nextn_predict_layers=1\.5: expected a whole number"),
+    ("fraction", r"num_nextn_predict_layers=1\.5: expected an integer count"),
 ])
 def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_path):
     """Each fault, through ``apply_recoverssm(model, mtp=PATH)`` on an unconverted model (which
@@ -525,15 +525,23 @@ def test_a_bad_checkpoint_is_refused_and_nothing_is_loaded(damage, match, tmp_pa
     assert loaded._recoverssm.mtp is None and loaded._recoverssm.loop is None
 
 
-def test_a_head_read_from_another_checkpoint_takes_its_layer_count_from_there(checkpoint):
+def test_a_head_read_from_another_checkpoint_takes_its_layer_count_from_there(tmp_path):
     """``apply_recoverssm(model, mtp=PATH)`` on a model whose config declares no MTP layer count:
-    the count of the ``config.json`` beside PATH's weights, and the head drafts exactly."""
-    path, _ = checkpoint("qwen3_next")
+    the count of the ``config.json`` beside PATH's weights (two layers here), and the head drafts
+    exactly; a ``config.json`` there that is not a config is named."""
+    write_checkpoint(tmp_path / "two", "qwen3_next", seed=3, layers=2)
     built = tiny_model("qwen3_next", seed=3)
     assert getattr(built.config, "num_nextn_predict_layers", None) is None
     ref = tiny_model("qwen3_next", seed=3)
-    model = apply_recoverssm(built, mtp=path)
-    assert model._recoverssm.mtp.num_layers == 1
+    (tmp_path / "broken").mkdir()
+    for name in ("model.safetensors", "config.json"):
+        (tmp_path / "broken" / name).write_bytes((tmp_path / "two" / name).read_bytes())
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"broken/config\.json cannot be read as a config"):
+        apply_recoverssm(built, mtp=tmp_path / "broken")
+    assert not is_converted(built)
+    model = apply_recoverssm(built, mtp=tmp_path / "two")
+    assert model._recoverssm.mtp.num_layers == 2
     texts = ["the cat sat on the mat. the cat", "a b c a b"]
     ids, mask = _batch(texts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, use_mtp=True,

@@ -280,7 +280,7 @@ class DecodeLoop:
         ready = min(running) if running else max(produced)
         if ready > sent:
             block = self.rows.tokens[:b, width + sent:width + ready].cpu()
-            for step in [block[0]] if b == 1 else block.unbind(1):
+            for step in [block[0]] if b == 1 else block.t().contiguous().unbind(0):
                 streamer.put(step)
         return max(sent, ready)
 

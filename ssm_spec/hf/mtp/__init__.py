@@ -7,8 +7,8 @@ model drafts ``k`` tokens a round with it inside ssm-spec's decode loop
 (:class:`ssm_spec.hf.loop.mtp.MTPDrafter`).
 """
 
-from .head import LAYER_COUNT_NAMES, MTPHead, config_layer_count, mtp_layer_count, text_decoder
+from .head import LAYER_COUNT_NAMES, MTPHead, config_layer_count, declared_layer_count, mtp_layer_count, text_decoder
 from .load import checkpoint_path, load_mtp_head, mtp_tensor_files
 
-__all__ = ["MTPHead", "load_mtp_head", "mtp_layer_count", "config_layer_count", "text_decoder", "checkpoint_path",
-           "mtp_tensor_files", "LAYER_COUNT_NAMES"]
+__all__ = ["MTPHead", "load_mtp_head", "mtp_layer_count", "config_layer_count", "declared_layer_count", "text_decoder",
+           "checkpoint_path", "mtp_tensor_files", "LAYER_COUNT_NAMES"]

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import numbers
 
 import torch
 from torch import nn
 
 __all__ = ["MTPHead", "text_decoder", "attention_config", "mtp_layer_count", "config_layer_count", "declared_layer_count",
-           "LAYER_COUNT_NAMES"]
+           "missing_layer_count", "LAYER_COUNT_NAMES"]
 
 #: The config attributes that give the MTP layer count: Qwen3.5's, then Qwen3-Next's.
 LAYER_COUNT_NAMES = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
@@ -86,7 +87,7 @@ def mtp_layer_count(model: nn.Module) -> int:
     config (:func:`config_layer_count` of ``model.config``).
 
     Raises:
-        ValueError: neither attribute is set, or the count is below 1.
+        ValueError: neither attribute is set, the count is not an integer, or below 1.
     """
     return config_layer_count(model.config)
 
@@ -96,14 +97,20 @@ def config_layer_count(config) -> int:
     ``AutoConfig`` before any weight loads).
 
     Raises:
-        ValueError: neither attribute is set, the count is not a whole number, or below 1.
+        ValueError: neither attribute is set, the count is not an integer, or below 1.
     """
     count = declared_layer_count(config)
     if count is None:
-        raise ValueError(f"MTP head: the model's config ({type(config).__name__}) sets neither "
-                         f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next): the MTP layer "
-                         "count is missing (a checkpoint with an MTP head declares it in config.json)")
+        raise ValueError(missing_layer_count(config) + " (a checkpoint with an MTP head declares it in config.json)")
     return count
+
+
+def missing_layer_count(config, beside: str | None = None) -> str:
+    """The error text for a ``config`` that declares no MTP layer count (nor does ``beside``,
+    the ``config.json`` looked at next, where given)."""
+    return (f"MTP head: the model's config ({type(config).__name__}) sets neither {LAYER_COUNT_NAMES[0]} (Qwen3.5) "
+            f"nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next)" + (f", nor does {beside}" if beside else "")
+            + ": the MTP layer count is missing")
 
 
 def declared_layer_count(config, where: str = "the model's config") -> int | None:
@@ -112,10 +119,11 @@ def declared_layer_count(config, where: str = "the model's config") -> int | Non
     or the ``dict`` of a ``config.json`` (``where`` names it in errors).
 
     Raises:
-        ValueError: the count is not a whole number, or below 1.
+        ValueError: the count is not an integer, or below 1.
     """
     if isinstance(config, dict):
-        configs = [config.get("text_config") or {}, config]
+        text = config.get("text_config")
+        configs = [text if isinstance(text, dict) else {}, config]
         get = dict.get
     else:
         configs = [config.get_text_config(), config]
@@ -125,12 +133,12 @@ def declared_layer_count(config, where: str = "the model's config") -> int | Non
             value = get(cfg, name)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"MTP head: {where} has {name}={value!r}: expected a whole number of MTP layers")
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"MTP head: {where} has {name}={value!r}: expected an integer count of MTP layers")
             if value < 1:
                 raise ValueError(f"MTP head: {where} has {name}={value}: the checkpoint declares no MTP "
                                  "layer, so there is no head to draft with")
-            return value
+            return int(value)
     return None
 
 
@@ -178,8 +186,8 @@ class MTPHead(nn.Module):
         config), on ``device`` (``meta``: no memory until weights are assigned).
 
         Raises:
-            ValueError: not a Qwen3-Next / Qwen3.5 model; the layer count missing or below 1
-                (:func:`mtp_layer_count`).
+            ValueError: not a Qwen3-Next / Qwen3.5 model; the layer count missing, not an
+                integer or below 1 (:func:`mtp_layer_count`).
         """
         decoder = text_decoder(model)
         layer = _attention_layer(decoder)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .head import LAYER_COUNT_NAMES, MTPHead, declared_layer_count, mtp_layer_count
+from .head import MTPHead, declared_layer_count, missing_layer_count, mtp_layer_count
 
 __all__ = ["load_mtp_head", "checkpoint_path", "mtp_tensor_files", "PREFIX", "INDEX_FILE", "SINGLE_FILE"]
 
@@ -122,13 +122,21 @@ def mtp_tensor_files(path) -> tuple[str, dict[str, Path]]:
 
 def _count_beside(where: str) -> int | None:
     """The MTP layer count the ``config.json`` beside the weights read (``where``, a file)
-    declares, or ``None`` (no such file, or it declares none)."""
+    declares, or ``None`` (no such file, or it declares none).
+
+    Raises:
+        ValueError: that file cannot be read as a JSON object; its count is not an integer or below 1.
+    """
     config = Path(where).parent / "config.json"
+    if not config.is_file():
+        return None
     try:
         data = json.loads(config.read_text())
-    except (OSError, ValueError):
-        return None
-    return declared_layer_count(data, str(config)) if isinstance(data, dict) else None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"MTP head: {config} cannot be read as a config ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"MTP head: {config} holds a JSON {type(data).__name__}, not a config object")
+    return declared_layer_count(data, str(config))
 
 
 def _read(files: dict[str, Path]) -> dict[str, torch.Tensor]:
@@ -201,7 +209,7 @@ def load_mtp_head(model: nn.Module, path=None) -> MTPHead:
         changed on ``model``.
 
     Raises:
-        ValueError: the MTP layer count missing, not a whole number or below 1
+        ValueError: the MTP layer count missing, not an integer or below 1
             (``mtp_num_hidden_layers`` / ``num_nextn_predict_layers``); no checkpoint path, or
             nothing readable there (a damaged file named); no
             ``mtp.*`` tensors, or some missing (named, with the file looked at); unexpected
@@ -214,9 +222,7 @@ def load_mtp_head(model: nn.Module, path=None) -> MTPHead:
     if count is None:  # the model's config has none: the checkpoint's own config.json, beside its weights
         count = _count_beside(where)
         if count is None:
-            raise ValueError(f"MTP head: the model's config ({type(model.config).__name__}) sets neither "
-                             f"{LAYER_COUNT_NAMES[0]} (Qwen3.5) nor {LAYER_COUNT_NAMES[1]} (Qwen3-Next), nor does "
-                             f"{Path(where).parent / 'config.json'} beside the weights: the MTP layer count is missing")
+            raise ValueError(missing_layer_count(model.config, f"{Path(where).parent / 'config.json'} beside the weights"))
     head = MTPHead.for_model(model, count)  # on meta: names and shapes only
     expected = {name: t.shape for name, t in head.state_dict().items()}
     if not files:
