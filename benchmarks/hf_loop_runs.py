@@ -57,7 +57,7 @@ def loop_runs(model, tok, sentence: str, args, timed_generate, common: dict, pha
         suffix = "" if B == 1 else f"@{B}"
         plain = timed_generate(model, ids, clock, phases, f"loop{suffix}", **common)
         if B == 1:  # the forwards below are timed on the buffers of these loops (their compiled graphs reused)
-            capacity = {1: model._recoverssm.loop.rows.capacity}
+            capacity[1] = model._recoverssm.loop.rows.capacity
         lookup = timed_generate(model, ids, clock, phases, f"loop+lookup{suffix}",
                                 make_extra=lambda: {"prompt_lookup_num_tokens": k}, **common)
         if B == 1:

@@ -205,8 +205,8 @@ def load_mtp_head(model: nn.Module, path=None) -> MTPHead:
             config declares no MTP layer count, the ``config.json`` beside ``path``'s weights does.
 
     Returns:
-        an :class:`~ssm_spec.hf.mtp.MTPHead` with ``mtp_layer_count(model)`` layers. Nothing is
-        changed on ``model``.
+        an :class:`~ssm_spec.hf.mtp.MTPHead` with the declared number of MTP layers. Nothing
+        is changed on ``model``.
 
     Raises:
         ValueError: the MTP layer count missing, not an integer or below 1
