@@ -30,9 +30,11 @@ class AcceptanceStats:
 
     A round is one forward of the last token plus ``d`` drafts followed by a crop that removes
     the rejected ones. ``offered[i]`` counts rounds that had a draft at position ``i``,
-    ``per_position[i]`` those that accepted it. Accepted means the target agreed with the draft
-    (the drafter's quality): in a row's last round the output may keep fewer tokens, cut at
-    ``max_new_tokens`` or an EOS, so ``rounds * mean_accepted_length`` can exceed the new tokens.
+    ``per_position[i]`` those that accepted it. Only drafts inside the row's token budget count
+    (transformers never drafts past ``max_new_tokens``; the decode loop's fixed-width window can
+    hold more in a row's last round, and it leaves those out). Accepted means the target agreed
+    with the draft (the drafter's quality): a last round cut at an EOS keeps fewer tokens, so
+    ``rounds * mean_accepted_length`` can exceed the new tokens.
     """
 
     rounds: int = 0
@@ -58,7 +60,7 @@ class AcceptanceStats:
     @property
     def mean_accepted_length(self) -> float:
         """Tokens a round's verification yields: accepted drafts plus the target's own token
-        (before a last round is cut at the token budget or an EOS)."""
+        (before a last round is cut at an EOS)."""
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property

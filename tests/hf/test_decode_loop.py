@@ -14,6 +14,7 @@ import torch
 from ssm_spec.hf import acceptance_stats, apply_recoverssm, tiny_model
 from ssm_spec.hf.loop import PromptLookup
 from ssm_spec.hf.loop.rows import Rows
+from ssm_spec.hf.loop.runner import PLAIN_ROUNDS_PER_GRAPH
 from ssm_spec.hf.tiny import ByteTokenizer
 from tests.helpers import widen_prompts
 
@@ -456,6 +457,12 @@ def test_streamer_gets_the_prompt_then_every_token():
     out = model.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=4, streamer=s)
     assert torch.equal(out, want) and s.ended
     assert s.parts[0] == ids[0].tolist() and sum(s.parts[1:], []) == want[0, ids.shape[1]:].tolist()
+    # handed over as they come: at most one round's tokens (a window of 5) a put, the prefill's first alone
+    assert len(s.parts[1]) == 1 and max(map(len, s.parts[1:])) <= 5, s.parts[1:]
+    s = Keep()
+    model.generate(ids, max_new_tokens=20, do_sample=False, streamer=s)
+    assert sum(s.parts[1:], []) == want[0, ids.shape[1]:].tolist()
+    assert max(map(len, s.parts[1:])) <= PLAIN_ROUNDS_PER_GRAPH, s.parts[1:]  # plain: one graph's rounds a put
 
 
 def _exact_law(ref, ids, top_k, steps=3):
@@ -595,3 +602,25 @@ def test_a_draft_length_past_the_token_budget_is_cut_to_it(decode_loop):
             out = model.generate(ids, max_new_tokens=n, do_sample=False, prompt_lookup_num_tokens=100_000,
                                  return_dict_in_generate=True)
             assert out.past_key_values.max_pending <= ids.shape[1] + n + 1
+
+
+
+def test_acceptance_counts_only_drafts_inside_the_token_budget():
+    """The loop's window keeps its width in a row's last round, but transformers never drafts past
+    ``max_new_tokens``: the counters leave those drafts out, so every round's kept tokens are its
+    counted accepted drafts plus one, and ``rounds + accepted`` is the new tokens after the
+    prefill's, whatever was accepted (no EOS here); a round with one token left counts no draft."""
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=5))
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([TOK.encode(TEXTS[0])])
+    for kw in ({"prompt_lookup_num_tokens": 4}, {"assistant_model": model, "num_assistant_tokens": 4}):
+        for n in (2, 7, 14):
+            out = model.generate(ids, max_new_tokens=n, do_sample=False, **kw)
+            assert out.shape[1] - ids.shape[1] == n
+            stats = acceptance_stats(model)
+            assert stats.rounds + stats.accepted == n - 1, (kw, n, stats)
+            assert stats.drafted <= 4 * stats.rounds and stats.offered[0] <= stats.rounds, (kw, n, stats)
+            if n == 2:
+                assert stats.rounds == stats.empty_rounds == 1 and stats.drafted == 0, (kw, stats)
+        if "assistant_model" in kw:  # the model drafting for itself is accepted throughout
+            assert stats.accepted == stats.drafted > 0, stats

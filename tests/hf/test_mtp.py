@@ -360,7 +360,7 @@ def test_greedy_with_the_mtp_head_equals_plain_greedy(device, kind, sharded, che
                                      num_assistant_tokens=k)
             _check_rows(out, ids.shape[1], own[:rows], TOK.pad_token_id)
             stats = acceptance_stats(model)
-            assert stats.rounds > 0 and stats.drafted == k * stats.rounds, (rows, k, stats)
+            assert 0 < stats.drafted <= k * stats.rounds, (rows, k, stats)
             accepted += stats.accepted
             if device.type == "cuda":
                 loop = model._recoverssm.loop
@@ -445,7 +445,7 @@ def test_sampling_with_the_mtp_head_is_distributed_as_plain_sampling(checkpoint)
         for row in out[:, ids.shape[1]:].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     stats = acceptance_stats(model)
-    assert 0 < stats.accepted < stats.drafted == 2 * stats.rounds, stats  # drafts kept and refused: both paths
+    assert 0 < stats.accepted < stats.drafted <= 2 * stats.rounds, stats  # drafts kept and refused: both paths
     assert _chi_square_p(counts, law, rows * calls) > 1e-3, sorted(counts.items(), key=lambda x: -x[1])[:6]
 
 

@@ -30,7 +30,8 @@ from .rows import Rows
 
 __all__ = ["DecodeLoop", "MAX_ROUNDS_PER_READ", "PLAIN_ROUNDS_PER_GRAPH", "PREFILL_WIDTH_ROUND", "prompt_width"]
 
-#: The most rounds the host queues before it reads whether every row has finished.
+#: The most rounds the host queues before it reads whether every row has finished (without a
+#: streamer: with one it reads after every replay).
 MAX_ROUNDS_PER_READ = 64
 #: Plain decoding (no drafter) captures this many one-token rounds in one graph.
 PLAIN_ROUNDS_PER_GRAPH = 4
@@ -130,13 +131,16 @@ class DecodeLoop:
             emitted, a = accept_matching(drafts, num_drafts, scores)
         else:
             emitted, a = accept_rejection(drafts, num_drafts, scores, probs)
+        # the acceptance counters take only drafts inside each row's token budget (transformers
+        # never drafts past it): in a row's last round the fixed-width window may hold more
+        within = torch.minimum(num_drafts, (rows.max_new - rows.produced - 1).clamp_min(0))
         n = rows.append(emitted, a + 1, self.eos)
         target.commit(md, n)
         if self.needs_hidden:
             self.drafter.accept(a, active, hidden=hidden)
         elif hasattr(self.drafter, "accept"):
             self.drafter.accept(a, active)
-        self._count(active, num_drafts, a)
+        self._count(active, within, torch.minimum(a, within))
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The next token at every position of ``scores [B, W, V]``: drawn, or the argmax."""
@@ -259,7 +263,9 @@ class DecodeLoop:
             if done:
                 break
             left = min(max_new - p for p, f in zip(produced, finished) if not f)
-            rounds = max(1, min(MAX_ROUNDS_PER_READ, math.ceil(left / (self.k + 1))))
+            # a streamer is read after every replay (tokens as they come, a host read per round);
+            # without one the host queues up to MAX_ROUNDS_PER_READ rounds between reads
+            rounds = 1 if streamer is not None else max(1, min(MAX_ROUNDS_PER_READ, math.ceil(left / (self.k + 1))))
             for _ in range(math.ceil(rounds / self.per_graph)):
                 if self.graph is not None:
                     self.graph.replay()
