@@ -294,5 +294,9 @@ class DecodeLoop:
         if self.drafter is None:
             return None
         c = {name: t.tolist() for name, t in self.counters.items()}
+        # positions no round offered (past every row's budget) are left out, as transformers'
+        # loop, drafting within the budget, never reaches them
+        kept = sum(1 for o in c["offered"] if o > 0)
+        c["offered"], c["per_position"] = c["offered"][:kept], c["per_position"][:kept]
         return AcceptanceStats(rounds=c["rounds"], empty_rounds=c["empty_rounds"], drafted=c["drafted"],
                                accepted=c["accepted"], per_position=c["per_position"], offered=c["offered"])
