@@ -252,6 +252,10 @@ def _generate(self, *args, **kwargs):
                          "does not track image or video tokens); call generate on the unconverted model for those")
     check_draft_options(named, lambda name, default: _setting(self, gen_config, named, name, default))
     check_attention_mask(named)
+    passed = kwargs.get(self._recoverssm.cache_kwarg, kwargs.get("past_key_values", kwargs.get("cache")))
+    if passed is not None and not isinstance(passed, RecoverSSMCache):  # before any fallback is announced
+        raise ValueError(f"generate: got a {type(passed).__name__}; a converted model needs a RecoverSSMCache "
+                         "(or none, and generate creates it)")
     assistant = named.get("assistant_model")
     if assistant is not None and has_unconverted_gdn(assistant):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "
@@ -318,9 +322,6 @@ def _generate(self, *args, **kwargs):
         if cache.kv_capacity is not None and need is not None and cache.kv_capacity < need:
             raise ValueError(f"generate: the cache holds max_cache_len={cache.kv_capacity} tokens; this call may "
                              f"need {need} (prompt, new tokens and drafts)")
-    else:
-        raise ValueError(f"generate: got a {type(cache).__name__}; a converted model needs a RecoverSSMCache "
-                         "(or none, and generate creates it)")
     prompt = _prompt(named)  # the first round's drafts are its tokens past the prompt's uncached part
     prompt = prompt if isinstance(prompt, torch.Tensor) else None
     if drafting and prompt is not None and prompt.shape[0] == 1 and cache.get_seq_length() > 0:

@@ -365,3 +365,18 @@ def test_a_forward_of_no_tokens_names_its_hidden_states():
     model = apply_recoverssm(tiny_model("qwen3_next", seed=0))
     with pytest.raises(ValueError, match=r"hidden: got \[1, 0, \d+\]: a forward of no tokens"):
         model(torch.zeros(1, 0, dtype=torch.long), **_with(model, RecoverSSMCache(model)))
+
+
+@pytest.mark.parametrize("name", ["cache_kwarg", "past_key_values"])
+def test_a_cache_of_another_kind_is_refused_before_any_fallback_is_announced(name):
+    """A transformers cache handed to a converted model: a ValueError naming its class, and no
+    warning first that the call would run transformers' loop (it does not run at all)."""
+    import warnings
+
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
+    key = cache_kwarg(model) if name == "cache_kwarg" else name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values' deprecation on 5.25
+        with pytest.raises(ValueError, match="got a DynamicCache; a converted model needs a RecoverSSMCache"):
+            model.generate(_ids(), max_new_tokens=4, **{key: transformers.DynamicCache(config=model.config)})
