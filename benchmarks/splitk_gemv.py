@@ -9,7 +9,10 @@ order (the same bits every run: no atomics). Splitting ``K`` gives a narrow proj
 outputs over 4,096 or 9,216 inputs at the 3.6 B width, where cuBLAS reaches 0.48-0.68 of the copy
 bandwidth) enough programs to keep every SM's loads in flight.
 
-Not used by the library's forward: it is measured first, alone (``bench_gemv.py``, backend
+Not used by the library's forward: on an H100 it takes 1-7 % less time than cuBLAS on the narrow
+projections and at most 3 % less on the wide ones, where inductor's one-row GEMV takes 16-23 %
+less on the narrow ones (``docs/perf-notes.md``; ``ssm_spec.hf.narrow_gemv`` takes that).
+Measured alone (``bench_gemv.py``, backend
 ``triton_splitk``, the fastest of :data:`CONFIGS` per shape) and inside the compiled forward
 (``scripts/forward_cost.py``'s variant ``fused, compiled, split-K narrow``: :func:`use_splitk`
 runs a model's narrow projections through the custom op :func:`splitk_linear`).
@@ -231,16 +234,20 @@ def use_splitk(model, rows=(1, 4, 6), enable: bool = True) -> list[str]:
     """Run ``model``'s narrow projections (:data:`NARROW` ``nn.Linear`` modules with
     ``hidden_size`` outputs) through
     :func:`splitk_linear`, with the fastest config of each shape at each of ``rows`` tuned now on
-    copies of the weights; ``enable=False`` puts the plain ``nn.Linear`` back. Returns the
+    copies of the weights; ``enable=False`` puts the class each had back. Returns the
     modules' names."""
     hidden = model.config.get_text_config().hidden_size
     names = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.out_features == hidden and name.rsplit(".", 1)[-1] in NARROW:
-            module.__class__ = SplitKLinear if enable else nn.Linear
-            names.append(name)
-            if not enable:
+            if not enable:  # the class it had (ssm_spec.hf.narrow_gemv's NarrowLinear on a converted model)
+                module.__class__ = module.__dict__.pop("_class_before_splitk", nn.Linear)
+                names.append(name)
                 continue
+            if type(module) is not SplitKLinear:
+                object.__setattr__(module, "_class_before_splitk", module.__class__)
+            module.__class__ = SplitKLinear
+            names.append(name)
             w = module.weight
             for m in rows if w.is_cuda else ():  # off CUDA the op is cuBLAS's (CPU BLAS) product
                 key = (m, w.shape[0], w.shape[1], w.dtype)

@@ -564,18 +564,21 @@ def test_use_splitk_swaps_the_narrow_projections_and_back():
     """benchmarks/splitk_gemv.py's ``use_splitk`` on a tiny converted model (the CPU: no tuning,
     the op falls back to ``F.linear``): the GDN ``out_proj``, attention ``o_proj`` and MLP
     ``down_proj`` modules run through the custom op with the same state dict and logits, an MLP
-    compiles with it in one graph (``fullgraph=True``), and ``enable=False`` restores ``nn.Linear``."""
+    compiles with it in one graph (``fullgraph=True``), and ``enable=False`` restores the class
+    each had (``nn.Linear``, or the converted model's ``NarrowLinear``)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from splitk_gemv import SplitKLinear, use_splitk
     from torch import nn
 
     from ssm_spec.hf import apply_recoverssm, tiny_model
+    from ssm_spec.hf.narrow_gemv import NarrowLinear
 
     model = apply_recoverssm(tiny_model("qwen3_5", seed=0))
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         want = model(ids).logits
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = {n: type(m) for n, m in model.named_modules()}
     names = use_splitk(model)
     suffixes = {n.rsplit(".", 1)[-1] for n in names}
     assert suffixes == {"out_proj", "o_proj", "down_proj"}, names
@@ -587,4 +590,5 @@ def test_use_splitk_swaps_the_narrow_projections_and_back():
         assert torch.allclose(torch.compile(mlp, fullgraph=True)(h), mlp(h), atol=1e-6)  # the op traces
     assert model.state_dict().keys() == before.keys()
     use_splitk(model, enable=False)
-    assert all(type(model.get_submodule(n)) is nn.Linear for n in names)
+    assert {n: type(model.get_submodule(n)) for n in names} == {n: classes[n] for n in names}
+    assert {classes[n] for n in names} == {nn.Linear, NarrowLinear}  # ssm_spec's own swap kept

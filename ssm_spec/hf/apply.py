@@ -17,6 +17,7 @@ from .cache import RecoverSSMCache
 from .config import RecoverSSMConfig, RecoverSSMRuntime, cache_kwarg, is_converted
 from .experts import capture_safe_experts
 from .fused_linear import fuse_shared_input_linears, unfuse_shared_input_linears
+from .narrow_gemv import drop_narrow_gemv, use_narrow_gemv
 from .graphed import SUPPORTED_ATTENTION
 from .draft_options import check_attention_mask, check_draft_options, check_fallback, draft_length
 from .mtp.calls import check_mtp_call, load_head_for_apply
@@ -106,8 +107,11 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
             run as one GEMM (:func:`~ssm_spec.hf.fused_linear.fuse_shared_input_linears`:
             GDN's input projections, attention's q/k/v, every MLP's gate/up, the shared
             expert's; the parameters become views of one concatenated weight, keeping their
-            names and values, so ``state_dict`` and ``save_pretrained`` are unchanged).
-            ``False`` gives each its own weight again. ``None`` keeps the current setting.
+            names and values, so ``state_dict`` and ``save_pretrained`` are unchanged); and
+            the projections back to the residual stream run, in a compiled one-row bf16/fp16
+            forward on CUDA, as inductor's GEMV (:mod:`~ssm_spec.hf.narrow_gemv`: same
+            parameters; cuBLAS everywhere else). ``False`` gives each its own weight and
+            ``nn.Linear`` again. ``None`` keeps the current setting.
         tp_group: a ``torch.distributed`` process group (first conversion only): every GDN
             layer keeps this rank's share of its heads (copies of its slices of the full
             layer's weights; ``RecoverGatedDeltaNet.shard_``), its states hold only those, and
@@ -168,6 +172,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
         if config.fused_projections != model._recoverssm.config.fused_projections:
             model._recoverssm.kept.cache = None  # its graphs read the old weights
             (fuse_shared_input_linears if config.fused_projections else unfuse_shared_input_linears)(model)
+            (use_narrow_gemv if config.fused_projections else drop_narrow_gemv)(model)
         model._recoverssm.config = config
         if mtp is not None:
             model._recoverssm.mtp = head
@@ -190,6 +195,7 @@ def apply_recoverssm(model: nn.Module, *, state_dtype: torch.dtype | None = None
                          "layer (a `linear_attn` with A_log and in_proj_qkvz / in_proj_qkv)")
     if config.fused_projections:
         fuse_shared_input_linears(model)
+        use_narrow_gemv(model)
     model._recoverssm = RecoverSSMRuntime(config, cache_kwarg(model), mtp=head)
     capture_safe_experts(model, config.cuda_graphs)
     model._is_stateful = False  # transformers' guard up to 5.24: our cache rolls the recurrent state back

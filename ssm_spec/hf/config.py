@@ -49,7 +49,9 @@ class RecoverSSMConfig:
             loop it drafts for.
         fused_projections: linears that read the same input run as one GEMM (GDN's input
             projections, attention's q/k/v, each MLP's gate/up;
-            :mod:`ssm_spec.hf.fused_linear`); parameter names, values and ``save_pretrained``
+            :mod:`ssm_spec.hf.fused_linear`), and the projections back to the residual stream
+            run as inductor's GEMV in a compiled one-row bf16/fp16 CUDA forward
+            (:mod:`ssm_spec.hf.narrow_gemv`); parameter names, values and ``save_pretrained``
             unchanged.
 
     New switches are added as fields with defaults, so configs built by keyword stay valid;
