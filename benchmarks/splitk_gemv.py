@@ -7,7 +7,7 @@ multiplies it with every row (``tl.dot`` on the rows padded to 16, fp32 accumula
 ``splits > 1`` the ``[splits, M, N]`` fp32 partial sums are added by a second kernel in a fixed
 order (the same bits every run: no atomics). Splitting ``K`` gives a narrow projection (2,560
 outputs over 4,096 or 9,216 inputs at the 3.6 B width, where cuBLAS reaches 0.48-0.68 of the copy
-bandwidth) enough programs to keep every SM's loads in flight.
+bandwidth on an H200, 0.59-0.80 on an H100) enough programs to keep every SM's loads in flight.
 
 Not used by the library's forward: on an H100 it takes 1-7 % less time than cuBLAS on the narrow
 projections and at most 3 % less on the wide ones, where inductor's one-row GEMV takes 16-23 %
@@ -241,8 +241,9 @@ def use_splitk(model, rows=(1, 4, 6), enable: bool = True) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and module.out_features == hidden and name.rsplit(".", 1)[-1] in NARROW:
             if not enable:  # the class it had (ssm_spec.hf.narrow_gemv's NarrowLinear on a converted model)
-                module.__class__ = module.__dict__.pop("_class_before_splitk", nn.Linear)
-                names.append(name)
+                if type(module) is SplitKLinear:
+                    module.__class__ = module.__dict__.pop("_class_before_splitk", nn.Linear)
+                    names.append(name)
                 continue
             if type(module) is not SplitKLinear:
                 object.__setattr__(module, "_class_before_splitk", module.__class__)

@@ -2,8 +2,10 @@
 against compiled: GPU time, kernels, the GEMMs' share, the first call's cost (CUDA only).
 
 Builds the model of ``bench_hf_generate.py``'s width options on the GPU and times, for each
-variant (``apply_recoverssm(model, fused_projections=..., compile=...)``; the last also runs the
-narrow projections through ``benchmarks/splitk_gemv.py``'s split-K GEMV, tuned per shape), one target forward of
+variant (``apply_recoverssm(model, fused_projections=..., compile=...)``; with fused projections the
+narrow ones run as inductor's one-row GEMV when compiled, ``ssm_spec.hf.narrow_gemv``; the last two
+variants run them through cuBLAS instead, and through ``benchmarks/splitk_gemv.py``'s split-K
+GEMV tuned per shape), one target forward of
 W = 1 (a decode step) and of each ``--widths`` inside the decode loop
 (``forward_timing.loop_forward_gpu_ms``: kernel time summed, so launch gaps do not count), against
 the weight-read floor at the copy bandwidth measured in the same run; then the plain decode
@@ -24,9 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-#: (name, fused projections, compiled, the narrow projections through benchmarks/splitk_gemv.py)
-VARIANTS = (("separate, eager", False, False, False), ("fused, eager", True, False, False),
-            ("fused, compiled", True, True, False), ("fused, compiled, split-K narrow", True, True, True))
+#: (name, fused projections, compiled, the narrow projections' product: "library" (what conversion
+#: gives: inductor's one-row GEMV when compiled), "cublas" (F.linear) or "splitk" (benchmarks/splitk_gemv.py))
+VARIANTS = (("separate, eager", False, False, "library"), ("fused, eager", True, False, "library"),
+            ("fused, compiled", True, True, "library"), ("fused, compiled, cuBLAS narrow", True, True, "cublas"),
+            ("fused, compiled, split-K narrow", True, True, "splitk"))
 
 
 def main(argv=None) -> int:
@@ -36,6 +40,7 @@ def main(argv=None) -> int:
     from hf_runs import SENTENCE, device_model
 
     from ssm_spec.hf import ByteTokenizer, apply_recoverssm
+    from ssm_spec.hf.narrow_gemv import drop_narrow_gemv, use_narrow_gemv
 
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--widths", type=int, nargs="+", default=[4, 6])
@@ -53,20 +58,24 @@ def main(argv=None) -> int:
     res = {"copy_bandwidth_GBps": bandwidth / 1e9, "param_bytes": nbytes, "weight_read_floor_ms": floor_ms,
            "kind": args.kind, "hidden": args.hidden, "layers": args.layers, "variants": {}}
     print(f"floor {floor_ms:.3f} ms ({nbytes / 1e9:.2f} GB at {bandwidth / 1e9:.0f} GB/s)", flush=True)
-    for name, fused, compiled, splitk in VARIANTS:
+    for name, fused, compiled, narrow in VARIANTS:
         if name not in mine.variants:
             continue
         apply_recoverssm(model, fused_projections=fused, compile=compiled, decode_loop=True, cuda_graphs=True)
-        entry = {"fused_projections": fused, "compile": compiled, "splitk_narrow": splitk, "forwards": {}}
+        entry = {"fused_projections": fused, "compile": compiled, "narrow": narrow, "forwards": {}}
+        splitk = narrow == "splitk"
+        if narrow != "library":
+            entry["narrow_modules_restored"] = drop_narrow_gemv(model)  # nn.Linear: cuBLAS, or swapped below
         if splitk:
             from splitk_gemv import TUNED, use_splitk
 
             entry["splitk_modules"] = len(use_splitk(model, rows=sorted({1, *mine.widths})))
+            entry["splitk_configs"] = {f"{m}x{n}x{k}": c for (m, n, k, _), c in TUNED.items()}
+        if narrow != "library":
             # the same settings as the variant before: its decode loop holds graphs (and compiled
             # forwards) of the unswapped modules, so drop it and the compiled code with it
             model._recoverssm.drop_loop()
             torch._dynamo.reset()
-            entry["splitk_configs"] = {f"{m}x{n}x{k}": c for (m, n, k, _), c in TUNED.items()}
         for W in [1, *mine.widths]:
             f = loop_forward_gpu_ms(model, W, compile=compiled)
             entry["forwards"][str(W)] = f
@@ -85,6 +94,8 @@ def main(argv=None) -> int:
         entry["graph_replays"] = model._recoverssm.loop.replays
         if splitk:
             use_splitk(model, enable=False)
+        if narrow != "library":
+            use_narrow_gemv(model)  # what conversion gave
             model._recoverssm.drop_loop()  # its graphs read the swapped modules
             torch._dynamo.reset()
         res["variants"][name] = entry

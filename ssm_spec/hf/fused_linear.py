@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["SharedInputLinear", "fuse_shared_input_linears", "unfuse_shared_input_linears",
-           "fused_groups", "SHARED_INPUT_GROUPS"]
+           "fused_groups", "plain_resident_linear", "SHARED_INPUT_GROUPS"]
 
 #: Names of sibling linears that read one input, per owner (attention, MLP, the two GDN layouts).
 SHARED_INPUT_GROUPS = (
@@ -71,21 +71,29 @@ class SharedInputLinear(nn.Linear):
         return outs[self._fused_index]
 
 
+def plain_resident_linear(m) -> bool:
+    """Whether ``m`` is a plain ``nn.Linear`` (not a subclass: quantized or already swapped) whose
+    parameters are plain tensors (no tensor subclass such as DTensor or a quantized weight) off
+    the ``meta`` device, without an accelerate hook of its own (which moves or offloads its
+    weights and calls the forward it saw)."""
+    if type(m) is not nn.Linear or getattr(m, "_hf_hook", None) is not None:
+        return False
+    return all(p is None or (type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.device.type != "meta")
+               for p in (m.weight, m.bias))
+
+
 def _members(owner: nn.Module, names) -> list[nn.Linear] | None:
     """The group's linears when all are plain, resident ``nn.Linear`` on one device and dtype,
     reading inputs of one width, all with a bias or none; else ``None``."""
     members = [getattr(owner, n, None) for n in names]
-    if not all(type(m) is nn.Linear for m in members):
+    if not all(plain_resident_linear(m) for m in members):
         return None
     first = members[0].weight
     for m in members:
         for p in (m.weight, m.bias):
-            if p is not None and (type(p) is not nn.Parameter or type(p.data) is not torch.Tensor
-                                  or p.device.type == "meta" or p.device != first.device or p.dtype != first.dtype):
+            if p is not None and (p.device != first.device or p.dtype != first.dtype):
                 return None
         if m.in_features != members[0].in_features or (m.bias is None) != (members[0].bias is None):
-            return None
-        if getattr(m, "_hf_hook", None) is not None:  # accelerate moves or offloads this one's weights itself
             return None
     return members
 

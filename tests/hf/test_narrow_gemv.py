@@ -3,6 +3,8 @@ which modules conversion swaps and gives back, the reduction form against ``F.li
 taken only where it applies (compiled, CUDA, half precision, one row), and a converted model's
 compiled greedy with the form forced on the CPU equal to plain greedy."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,50 +58,51 @@ def test_the_reduction_form_is_the_product_of_one_row(dtype, tol, shape):
             narrow_gemv(bad, w)
 
 
-def test_the_form_applies_only_compiled_on_cuda_in_half_precision_to_one_row():
-    """Eager calls, the CPU, float32 and several rows keep F.linear (its bits)."""
-    w = torch.randn(8, 16, dtype=torch.bfloat16)
-    assert not narrow_gemv_applies(torch.randn(1, 16, dtype=torch.bfloat16), w)  # eager
-    seen = []
-
-    def probe(x):
-        seen.append(narrow_gemv_applies(x, w))
-        return x
-
-    torch.compile(probe, fullgraph=True, backend="eager")(torch.randn(1, 16, dtype=torch.bfloat16))
-    assert seen == [False]  # compiled, but on the CPU
-    layer = NarrowLinear(16, 8, bias=True)
-    x = torch.randn(3, 1, 16)
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+def _spy(monkeypatch):
+    """Shapes traced through the reduction form."""
+    traced = []
+    monkeypatch.setattr(ng, "narrow_gemv", lambda x, w, b=None: traced.append(tuple(x.shape)) or narrow_gemv(x, w, b))
+    return traced
 
 
-def _forced(monkeypatch):
-    """The form taken on the CPU too, wherever it otherwise applies (any float dtype)."""
-    monkeypatch.setattr(ng, "narrow_gemv_applies",
-                        lambda x, weight: torch.compiler.is_compiling() and x.numel() == x.shape[-1])
-
-
-def test_a_compiled_narrow_linear_takes_the_form_and_gives_the_product(monkeypatch):
-    """Forced on the CPU: compiled with fullgraph=True, one row gives F.linear's product within
-    rounding (bias added), several rows F.linear's bits."""
-    _forced(monkeypatch)
+def test_the_form_applies_only_in_the_loops_compiled_forwards_on_cuda_in_half_precision_to_one_row(monkeypatch):
+    """With the CPU let in as a device (DEVICES), each other condition is checked for real: a
+    one-row bf16 call compiled under inductor_forms takes the form; float32, two rows, a caller's
+    own torch.compile (no inductor_forms) and eager calls keep F.linear's bits. Without the CPU
+    in DEVICES, nothing on the CPU takes it."""
     torch.manual_seed(0)
-    layer = NarrowLinear(48, 16, bias=True)
-    compiled = torch.compile(layer, fullgraph=True)
-    one, rows = torch.randn(1, 1, 48), torch.randn(1, 4, 48)
-    with torch.no_grad():
-        want = F.linear(one, layer.weight, layer.bias)
-        assert rel_err(compiled(one), want) < 1e-6
-        assert torch.equal(compiled(rows), F.linear(rows, layer.weight, layer.bias))
+    layer = NarrowLinear(48, 16, bias=True).to(torch.bfloat16)
+    one, two = torch.randn(1, 1, 48, dtype=torch.bfloat16), torch.randn(1, 2, 48, dtype=torch.bfloat16)
+
+    def run(x, forms=True, dtype=torch.bfloat16):
+        torch._dynamo.reset()
+        traced = _spy(monkeypatch)
+        fn = torch.compile(layer.to(dtype), fullgraph=True, dynamic=False)
+        with torch.no_grad(), (ng.inductor_forms() if forms else contextlib.nullcontext()):
+            y = fn(x.to(dtype))
+        return y, traced
+
+    y, traced = run(one)
+    assert traced == [] and torch.equal(y, F.linear(one, layer.weight, layer.bias))  # the CPU is not in DEVICES
+    monkeypatch.setattr(ng, "DEVICES", ("cuda", "cpu"))
+    y, traced = run(one)
+    assert traced == [(1, 1, 48)]
+    assert rel_err(y, F.linear(one.double(), layer.weight.double(), layer.bias.double())) < 1e-2
+    for x, forms, dtype in ((two, True, torch.bfloat16), (one, False, torch.bfloat16), (one, True, torch.float32)):
+        y, traced = run(x, forms, dtype)
+        with torch.no_grad():
+            assert traced == [] and torch.equal(y, F.linear(x.to(dtype), layer.weight, layer.bias)), (x.shape, forms, dtype)
+    with ng.inductor_forms():
+        assert not narrow_gemv_applies(one, layer.weight)  # eager: not compiling
 
 
 def test_compiled_greedy_with_the_form_forced_equals_plain_greedy(monkeypatch):
-    """The decode loop's compiled forwards (fullgraph) with the form forced on the CPU in fp32:
-    batch 1 (one-row decode steps through it) and prompt lookup (windows through cuBLAS) give
-    the unconverted model's greedy tokens."""
-    _forced(monkeypatch)
-    traced = []  # shapes the compiled forwards traced through the form
-    monkeypatch.setattr(ng, "narrow_gemv", lambda x, w: traced.append(tuple(x.shape)) or narrow_gemv(x, w))
+    """The decode loop's compiled forwards (fullgraph) with the form let in on the CPU in fp32
+    (DEVICES and DTYPES widened): batch 1 (one-row decode steps through it) and prompt lookup
+    (windows through F.linear) give the unconverted model's greedy tokens."""
+    monkeypatch.setattr(ng, "DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(ng, "DTYPES", (torch.bfloat16, torch.float16, torch.float32))
+    traced = _spy(monkeypatch)
     tok = ByteTokenizer()
     ids = torch.tensor([tok.encode("the cat sat on the mat. the cat sat on the")])
     ref = tiny_model("qwen3_5", seed=2)
@@ -116,17 +119,26 @@ def test_compiled_greedy_with_the_form_forced_equals_plain_greedy(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 @pytest.mark.parametrize("out_features,in_features", [(256, 1024), (2560, 9216)])
 def test_on_cuda_a_compiled_bf16_row_runs_as_inductors_reduction(out_features, in_features):
-    """On CUDA in bf16 the compiled one-row call is inductor's own kernel (no cuBLAS mm in the
-    generated code) and gives the product within bf16 rounding; four rows call cuBLAS."""
+    """On CUDA under inductor_forms a compiled bf16 row is inductor's own reduction kernel (no
+    cuBLAS mm in the generated code) and gives the product within bf16 rounding; two bf16 rows and
+    one float32 row call cuBLAS."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    layer = NarrowLinear(in_features, out_features, bias=False).to("cuda", torch.bfloat16)
-    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    layer = NarrowLinear(in_features, out_features, bias=True).to("cuda", torch.bfloat16)
+
+    def code_of(x):
+        torch._dynamo.reset()
+        with torch.no_grad(), ng.inductor_forms():
+            return run_and_get_code(torch.compile(layer.to(x.dtype), fullgraph=True, dynamic=False), x)
+
     x = torch.randn(1, 1, in_features, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        y, code = run_and_get_code(compiled, x)
-        assert rel_err(y, x.double() @ layer.weight.double().T) < 1e-2
-        assert not any("extern_kernels.mm" in c for c in code), code
-        _, code = run_and_get_code(compiled, torch.randn(1, 4, in_features, device="cuda", dtype=torch.bfloat16))
-        assert any("extern_kernels.mm" in c for c in code)
+    y, code = code_of(x)
+    ref = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert rel_err(y, ref) < 1e-2
+    assert not any("extern_kernels" in c and ("mm(" in c or "addmm(" in c) for c in code), code
+    assert any("triton_red" in c or "triton_per" in c for c in code), code  # a reduction kernel
+    for x in (torch.randn(1, 2, in_features, device="cuda", dtype=torch.bfloat16),
+              torch.randn(1, 1, in_features, device="cuda", dtype=torch.float32)):
+        _, code = code_of(x)
+        assert any("extern_kernels" in c and ("mm(" in c or "addmm(" in c) for c in code), (x.shape, x.dtype)

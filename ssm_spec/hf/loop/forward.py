@@ -8,9 +8,12 @@ column attends to itself only, so no softmax row is empty); its rotary position 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import cache_kwarg
+from ..narrow_gemv import inductor_forms
 from .cache import LoopCache
 
 __all__ = ["LoopModel", "SUPPORTED_ATTENTION", "row_mask", "compiled"]
@@ -25,11 +28,20 @@ COMPILED_SHAPES_LIMIT = 256
 
 
 def compiled(fn):
-    """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)``, run with dynamo's
-    recompile limit at :data:`COMPILED_SHAPES_LIMIT`: one static graph per shape it meets."""
+    """``fn`` through ``torch.compile(fullgraph=True, dynamic=False)`` (inductor), run with
+    dynamo's recompile limit at :data:`COMPILED_SHAPES_LIMIT` (one static graph per shape it
+    meets) and inside :func:`~ssm_spec.hf.narrow_gemv.inductor_forms` (the narrow projections'
+    one-row GEMV in inductor's form)."""
     limit = torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT,
                                        accumulated_recompile_limit=4 * COMPILED_SHAPES_LIMIT)
-    return limit(torch.compile(fn, fullgraph=True, dynamic=False))
+    inner = limit(torch.compile(fn, fullgraph=True, dynamic=False))
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with inductor_forms():
+            return inner(*args, **kwargs)
+
+    return run
 
 
 def row_mask(arange: torch.Tensor, columns: torch.Tensor, pad: torch.Tensor, sdpa: bool, dtype: torch.dtype):
