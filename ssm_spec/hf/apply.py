@@ -262,6 +262,10 @@ def _generate(self, *args, **kwargs):
     if passed is not None and not isinstance(passed, RecoverSSMCache):  # before any fallback is announced
         raise ValueError(f"generate: got a {type(passed).__name__}; a converted model needs a RecoverSSMCache "
                          "(or none, and generate creates it)")
+    if passed is not None and {id(a) for a in passed.adapters} != {
+            id(m) for m in self.modules() if isinstance(m, RecoverGDNAdapter)}:
+        raise ValueError("generate: the RecoverSSMCache passed was made for another model (its GDN layers are not "
+                         "this model's); make one with RecoverSSMCache(model) for the model that generates")
     assistant = named.get("assistant_model")
     if assistant is not None and has_unconverted_gdn(assistant):
         raise ValueError("generate: the assistant has GatedDeltaNet layers that ssm_spec has not converted, so their "

@@ -30,15 +30,20 @@ class AcceptanceStats:
 
     A round is one forward of the last token plus ``d`` drafts followed by a crop that removes
     the rejected ones. ``offered[i]`` counts rounds that had a draft at position ``i``,
-    ``per_position[i]`` those that accepted it. Only drafts inside the row's token budget count
-    (transformers never drafts past ``max_new_tokens``; the decode loop's fixed-width window can
-    hold more in a row's last round, and it leaves those out). Accepted means the target agreed
-    with the draft (the drafter's quality): a last round cut at an EOS keeps fewer tokens, so
+    ``per_position[i]`` those that accepted it. Accepted means the target agreed with the draft
+    (the drafter's quality): a last round cut at an EOS keeps fewer tokens, so
     ``rounds * mean_accepted_length`` can exceed the new tokens.
+
+    The two loops count alike except at the edges of a call. ssm-spec's decode loop makes the
+    first new token in the prompt's forward (not a round) and counts only drafts inside each
+    row's token budget (its fixed-width window may hold more in a row's last round), so without
+    an EOS ``rounds + accepted`` is the new tokens less one. transformers' loop verifies its
+    first drafts in the prompt's forward (a round), and its candidate generators may propose past
+    the budget (5.25's prompt lookup does), which are counted as proposed.
     """
 
     rounds: int = 0
-    empty_rounds: int = 0  # rounds with no draft (prompt lookup found nothing)
+    empty_rounds: int = 0  # rounds with no draft (prompt lookup found nothing, or no budget was left to draft)
     drafted: int = 0
     accepted: int = 0
     per_position: list[int] = field(default_factory=list)

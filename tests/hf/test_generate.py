@@ -380,3 +380,17 @@ def test_a_cache_of_another_kind_is_refused_before_any_fallback_is_announced(nam
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values' deprecation on 5.25
         with pytest.raises(ValueError, match="got a DynamicCache; a converted model needs a RecoverSSMCache"):
             model.generate(_ids(), max_new_tokens=4, **{key: transformers.DynamicCache(config=model.config)})
+
+
+def test_a_cache_made_for_another_model_is_refused_before_anything_runs():
+    """A RecoverSSMCache of another converted model: one ValueError saying so, no fallback warning
+    first (the state pool would otherwise fail inside transformers' loop)."""
+    import warnings
+
+    a, b = (apply_recoverssm(tiny_model("qwen3_5", seed=s)) for s in (0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(ValueError, match="made for another model"):
+            b.generate(_ids(), max_new_tokens=4, **{cache_kwarg(b): RecoverSSMCache(a)})
+    out = b.generate(_ids(), max_new_tokens=4, **{cache_kwarg(b): RecoverSSMCache(b)})  # its own cache runs
+    assert out.shape[1] == _ids().shape[1] + 4
