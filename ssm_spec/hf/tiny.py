@@ -30,8 +30,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+    def decode(self, ids, **kwargs) -> str:
+        """The bytes of ``ids`` (a token id, a list or a tensor of them; ids past the byte range, such
+        as the pad and EOS ids, dropped) as UTF-8 text. ``kwargs`` (transformers' streamers pass
+        ``skip_special_tokens``) are accepted and ignored: this tokenizer has no special text."""
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        ids = [ids] if isinstance(ids, int) else list(ids)
         return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
 

@@ -628,3 +628,17 @@ def test_acceptance_counts_only_drafts_inside_the_token_budget():
                 assert stats.rounds == stats.empty_rounds == 1 and stats.drafted == 0 == len(stats.offered), (kw, stats)
         if "assistant_model" in kw:  # the model drafting for itself is accepted throughout
             assert stats.accepted == stats.drafted > 0, stats
+
+
+def test_transformers_text_streamers_run_with_the_byte_tokenizer():
+    """TextIteratorStreamer (which decodes single ids and passes decode options) over the loop's
+    puts, plain and with prompt lookup: the text it yields is the output's new tokens decoded."""
+    from transformers import TextIteratorStreamer
+
+    model = apply_recoverssm(tiny_model("qwen3_5", seed=5))
+    ids = torch.tensor([TOK.encode(TEXTS[0])])
+    for kw in ({}, {"prompt_lookup_num_tokens": 3}):
+        streamer = TextIteratorStreamer(TOK, skip_prompt=True, skip_special_tokens=True)
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, streamer=streamer, **kw)
+        assert "".join(streamer) == TOK.decode(out[0, ids.shape[1]:]), kw
+    assert TOK.decode(104) == "h" and TOK.decode([104, 105], skip_special_tokens=True) == "hi"
