@@ -131,26 +131,28 @@ class DecodeLoop:
             emitted, a = accept_matching(drafts, num_drafts, scores)
         else:
             emitted, a = accept_rejection(drafts, num_drafts, scores, probs)
-        # the acceptance counters take only drafts inside each row's token budget (transformers
-        # never drafts past it): in a row's last round the fixed-width window may hold more
-        within = torch.minimum(num_drafts, (rows.max_new - rows.produced - 1).clamp_min(0))
         n = rows.append(emitted, a + 1, self.eos)
         target.commit(md, n)
         if self.needs_hidden:
             self.drafter.accept(a, active, hidden=hidden)
         elif hasattr(self.drafter, "accept"):
             self.drafter.accept(a, active)
-        self._count(active, within, torch.minimum(a, within))
+        self._count(active, num_drafts, a, n)
 
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The next token at every position of ``scores [B, W, V]``: drawn, or the argmax."""
         return draw(torch.softmax(scores, -1)) if self.sampling else scores.argmax(-1)
 
-    def _count(self, active, num_drafts, a) -> None:
-        self._count_fn(self, active, num_drafts, a)
+    def _count(self, active, num_drafts, a, n) -> None:
+        self._count_fn(self, active, num_drafts, a, n)
 
-    def _add_counts(self, active, num_drafts, a) -> None:
+    def _add_counts(self, active, num_drafts, a, n) -> None:
+        """Add a round to the counters (``n [B]``: the tokens each row kept, already appended).
+        Only drafts inside each row's token budget count, the budget as it was before the round:
+        in a row's last round the fixed-width window may hold more."""
         c = self.counters
+        num_drafts = torch.minimum(num_drafts, (self.rows.max_new - self.rows.produced + n - 1).clamp_min(0))
+        a = torch.minimum(a, num_drafts)
         act = active.to(torch.int64)
         pos = torch.arange(self.k, device=a.device)[None, :]
         c["rounds"] += act.sum()
@@ -294,8 +296,7 @@ class DecodeLoop:
         if self.drafter is None:
             return None
         c = {name: t.tolist() for name, t in self.counters.items()}
-        # positions no round offered (past every row's budget) are left out, as transformers'
-        # loop, drafting within the budget, never reaches them
+        # positions no round offered (past every row's budget) are left out
         kept = sum(1 for o in c["offered"] if o > 0)
         c["offered"], c["per_position"] = c["offered"][:kept], c["per_position"][:kept]
         return AcceptanceStats(rounds=c["rounds"], empty_rounds=c["empty_rounds"], drafted=c["drafted"],
